@@ -1,0 +1,146 @@
+"""The ``coldstart`` command: pack, verify, demo, serve, doctor."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+DEMO_DIR = Path("weights/demo")
+
+
+def _cmd_pack(a: argparse.Namespace) -> int:
+    from weights import PackOptions, pack
+    opts = PackOptions(dtype=a.dtype, force=a.force, chunk_bytes=a.chunk_mib << 20,
+                       progress=not a.quiet)
+    dest = pack(a.src, a.dest, opts)
+    from weights import read_packed
+    pf = read_packed(dest)
+    print(f"packed {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
+          f"(digest {pf.digest[:16]})")
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from weights import verify
+    bar = None
+    if sys.stderr.isatty() and not a.quiet:
+        from tqdm import tqdm
+        bar = tqdm(unit="B", unit_scale=True, desc="verify")
+    last = [0]
+
+    def progress(done: int) -> None:
+        if bar is not None:
+            bar.update(done - last[0])
+            last[0] = done
+    report = verify(a.dest, progress=progress)
+    if bar is not None:
+        bar.close()
+    for p in report.problems():
+        print(f"{report.packed.path}: {p}", file=sys.stderr)
+    if not report.ok:
+        print(f"FAILED: {len(report.bad_chunks)} bad chunk(s); re-copy or re-pack the model",
+              file=sys.stderr)
+        return 1
+    pf = report.packed
+    print(f"ok: {pf.path} ({len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
+          f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from weights import make_demo
+    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force)
+    print(f"wrote a random {a.shape} Llama checkpoint to {dest}")
+    return 0
+
+
+def ensure_demo(dest: Path = DEMO_DIR, shape: str = "tiny") -> Path:
+    """Make and pack the demo model into ``dest`` unless a packed model is there."""
+    if (dest / "model.cst").is_file():
+        return dest
+    from weights import PackOptions, make_demo, pack
+    with tempfile.TemporaryDirectory(prefix="coldstart-demo-") as tmp:
+        src = make_demo(Path(tmp) / "hf", shape)
+        pack(src, dest, PackOptions(force=dest.exists(), progress=False))
+    logging.getLogger(__name__).info("made and packed the %s demo model into %s", shape, dest)
+    return dest
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    ensure_demo()
+    serve = shutil.which("serve") or str(Path(sys.executable).with_name("serve"))
+    cmd = [serve, "run", a.config, *a.serve_args]
+    print("+ " + " ".join(cmd), flush=True)
+    os.execv(cmd[0], cmd) if Path(cmd[0]).exists() else None
+    return subprocess.call(cmd)
+
+
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    from deployments.doctor import main as doctor_main
+    return doctor_main(a.doctor_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="coldstart", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("pack", help="pack a Hugging Face model directory")
+    p.add_argument("src", help="local HF model directory (config.json + safetensors or .bin)")
+    p.add_argument("dest", help="packed model directory to create, e.g. weights/llama-2-7b")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="cast floating-point weights (fp8 and integer tensors stay as they are)")
+    p.add_argument("--force", action="store_true", help="replace DEST if it exists")
+    p.add_argument("--chunk-mib", type=int, default=16, help="checksum chunk size in MiB")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_cmd_pack)
+
+    p = sub.add_parser("verify", help="check a packed model's structure and checksums")
+    p.add_argument("dest")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(fn=_cmd_verify)
+
+    p = sub.add_parser("demo", help="write a random Llama checkpoint (HF format) for tests/benchmarks")
+    p.add_argument("dest")
+    from weights.demo import SHAPES
+    p.add_argument("--shape", choices=list(SHAPES), default="tiny")
+    p.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is fast)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("serve", help="make the demo model if absent, then `serve run` the config")
+    p.add_argument("config", nargs="?", default="serve_config.yaml")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
+    p.set_defaults(fn=_cmd_serve)
+
+    p = sub.add_parser("doctor", help="check driver, CUDA, GPU visibility, disk and copy speed",
+                       add_help=False)
+    p.add_argument("doctor_args", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=_cmd_doctor)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
+        print(f"coldstart {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # PackedFormatError and friends: a clear line, not a trace
+        from weights.format import PackedFormatError
+        if isinstance(e, PackedFormatError):
+            print(f"coldstart {args.cmd}: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: real checkpoints made on the spot (random weights, a trained tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from weights import PackOptions, make_demo, pack
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> Path:
+    return make_demo(tmp_path_factory.mktemp("hf") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def small_hf(tmp_path_factory) -> Path:
+    """bf16, two safetensors shards with an index."""
+    return make_demo(tmp_path_factory.mktemp("hf") / "small", "small")
+
+
+@pytest.fixture(scope="session")
+def tiny_packed(tiny_hf, tmp_path_factory) -> Path:
+    return pack(tiny_hf, tmp_path_factory.mktemp("packed") / "tiny", PackOptions(progress=False))
+
+
+_ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+       torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], raw_dtypes: dict | None = None
+                      ) -> Path:
+    """A safetensors file written by hand (the format is 8 bytes + JSON + data).
+
+    ``raw_dtypes`` overrides a tensor's dtype code (to write codes torch lacks).
+    """
+    header, blobs, off = {}, [], 0
+    for name, t in tensors.items():
+        b = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        code = (raw_dtypes or {}).get(name, _ST.get(t.dtype))
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+    return path
+
+
+def make_hf_dir(root: Path, shards: list[dict[str, torch.Tensor]], config: dict | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config or {"architectures": ["Custom"]}))
+    for i, sd in enumerate(shards):
+        write_safetensors(root / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sd)
+    return root

@@ -1,0 +1,224 @@
+"""``coldstart demo DEST --shape tiny|small|llama-7b``: a random Llama checkpoint in HF format.
+
+Writes what ``save_pretrained`` would: ``config.json``, ``generation_config.json``,
+safetensors shards with ``model.safetensors.index.json`` when sharded, and a
+tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with a chat template)
+trained locally with the ``tokenizers`` library, so no hub is needed. Weights
+are random normal (std 0.02, like HF's init), norms are ones; they are made on
+the given device (a GPU makes 7B in seconds) and streamed to disk one tensor at
+a time, so host memory never holds a shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .format import align_up
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    dtype: str
+    shards: int
+    tie_embeddings: bool = False
+
+
+SHAPES: dict[str, Shape] = {
+    # serves on a CPU at once; the embedded default
+    "tiny": Shape(64, 2, 4, 2, 176, 512, 1024, "float32", 1),
+    # a few MB, sharded, bf16: exercises the multi-shard and cast paths
+    "small": Shape(256, 4, 8, 4, 688, 1024, 2048, "bfloat16", 2),
+    # the benchmark subject: Llama-2-7B's shapes, fp16, 13.5 GB in 3 shards
+    "llama-7b": Shape(4096, 32, 32, 32, 11008, 32000, 4096, "float16", 3),
+}
+
+_CORPUS = """\
+The answer is forty-two. Cold starts are the time a new replica needs before it can answer.
+A replica loads its weights, warms up its kernels and then takes traffic from the router.
+Large language models generate text one token at a time; each step reads every weight once.
+Memory bandwidth, not arithmetic, bounds decoding at batch size one.
+Ray Serve routes requests only to replicas that passed their health check.
+Hello! How can I help you today? Please tell me more about your question.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Symbols: + - * / = ( ) [ ] { } < > ! ? , . ; :
+Über naïve café — 東京 and 北京 are cities; emoji: 🙂 🚀.
+"""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>\n"
+    "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}{% endfor %}"
+)
+
+
+def tensor_specs(s: Shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of a LlamaForCausalLM checkpoint, in save_pretrained's order."""
+    hd = s.hidden // s.heads
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (s.heads * hd, s.hidden)),
+            (p + "self_attn.k_proj.weight", (s.kv_heads * hd, s.hidden)),
+            (p + "self_attn.v_proj.weight", (s.kv_heads * hd, s.hidden)),
+            (p + "self_attn.o_proj.weight", (s.hidden, s.heads * hd)),
+            (p + "mlp.gate_proj.weight", (s.intermediate, s.hidden)),
+            (p + "mlp.up_proj.weight", (s.intermediate, s.hidden)),
+            (p + "mlp.down_proj.weight", (s.hidden, s.intermediate)),
+            (p + "input_layernorm.weight", (s.hidden,)),
+            (p + "post_attention_layernorm.weight", (s.hidden,)),
+        ]
+    out.append(("model.norm.weight", (s.hidden,)))
+    if not s.tie_embeddings:
+        out.append(("lm_head.weight", (s.vocab, s.hidden)))
+    return out
+
+
+def config_dict(s: Shape) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": s.hidden,
+        "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "vocab_size": s.vocab,
+        "max_position_embeddings": s.max_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": s.tie_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": s.dtype,
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on a small built-in corpus (ids 0-2: <unk> <s> </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 4096), special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    # BOS on every encode with special tokens, as Llama tokenizers do
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    return tok
+
+
+_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                       code: str, device: torch.device, gen: torch.Generator) -> None:
+    """Stream random tensors into one safetensors file without holding them all."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    header: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, shape in tensors:
+        n = elem
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (align_up(len(raw) + 8, 8) - len(raw) - 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape in tensors:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=dtype, device=device)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            f.write(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cpu",
+              seed: int = 0, force: bool = False) -> Path:
+    """Write a random Llama-family HF checkpoint to ``dest`` (atomically).
+
+    Args:
+        dest: directory to create.
+        shape: one of ``SHAPES`` (tiny, small, llama-7b).
+        device: where random weights are drawn (``cuda`` makes 7B in seconds).
+        seed: RNG seed: the same seed and device give the same weights.
+        force: replace ``dest`` if it exists.
+    """
+    if shape not in SHAPES:
+        raise ValueError(f"shape={shape!r} is unknown; choose one of {', '.join(SHAPES)}")
+    s = SHAPES[shape]
+    dest = Path(dest)
+    if dest.exists() and not force:
+        raise FileExistsError(f"{dest} exists; pass --force to replace it")
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    dtype = getattr(torch, s.dtype)
+    specs = tensor_specs(s)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    try:
+        per = -(-len(specs) // s.shards)
+        groups = [specs[i * per:(i + 1) * per] for i in range(s.shards)]
+        weight_map = {}
+        for i, g in enumerate(groups):
+            fname = ("model.safetensors" if s.shards == 1 else
+                     f"model-{i + 1:05d}-of-{s.shards:05d}.safetensors")
+            _write_safetensors(tmp / fname, g, dtype, _ST_CODE[s.dtype], dev, gen)
+            weight_map.update({n: fname for n, _ in g})
+        if s.shards > 1:
+            total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
+            _dump(tmp / "model.safetensors.index.json",
+                  {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _dump(tmp / "config.json", config_dict(s))
+        _dump(tmp / "generation_config.json",
+              {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "max_length": s.max_positions})
+        tok = build_tokenizer(s.vocab)
+        tok.save(str(tmp / "tokenizer.json"))
+        _dump(tmp / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "model_max_length": s.max_positions, "chat_template": CHAT_TEMPLATE})
+        _dump(tmp / "special_tokens_map.json",
+              {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _dump(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)

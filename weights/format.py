@@ -1,0 +1,286 @@
+"""The packed weight format: one flat file a loader pours into ONE device buffer.
+
+A packed model is a directory::
+
+    <name>/
+      model.cst                 the weights (this format)
+      config.json               copied from the Hugging Face checkpoint
+      generation_config.json    (if the source had one)
+      tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...
+
+``model.cst`` layout (all integers little-endian)::
+
+    offset 0        preamble, PREAMBLE_BYTES (4096) bytes:
+                      0  magic          8 bytes  b"CLDSTRT\\x00"
+                      8  version        u32      FORMAT_VERSION
+                     12  flags          u32      0 (reserved)
+                     16  data_offset    u64      = 4096: start of the data region
+                     24  data_bytes     u64      length of the data region, a multiple of ALIGN
+                     32  index_offset   u64      = data_offset + data_bytes
+                     40  index_bytes    u64      length of the JSON index
+                     48  index_sha256   32 bytes sha256 of the index bytes
+                     80  zeros up to byte 4092
+                   4092  preamble_crc32 u32      crc32 of bytes 0..4092
+    data_offset     data region: every tensor's bytes, each tensor starting at a
+                    multiple of ALIGN (4096) from the region's start, zero padding
+                    between them; the region's length is a multiple of ALIGN.
+    index_offset    the index: UTF-8 JSON (see ``Index``), then end of file.
+
+Because every tensor is aligned inside one region, the whole region maps onto one
+device allocation and every tensor is a view of it (``torch.Tensor.view(dtype)``
+needs the element offset aligned; 4 KiB also matches pages and O_DIRECT).
+
+Integrity. The data region is cut into chunks of ``chunk_bytes`` (a multiple of
+4096, recorded in the index; the last chunk may be shorter). Each chunk's two
+64-bit sums are stored in the index (``weights.checksum``: a position-weighted
+Fletcher-style sum over 64-bit words, computed by two reductions, so a GPU
+checks 13 GB in milliseconds and a CPU at memory speed). They catch flipped
+bits, truncation, and shifted or swapped blocks. They are not cryptographic.
+The index carries the chunk sums and is covered by ``index_sha256``; the
+preamble, which holds that hash, is covered by its crc32. The sha256 of the
+index is therefore a digest of the whole file (``PackedFile.digest``).
+
+The format is little-endian only; ``open_packed`` refuses a big-endian host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"CLDSTRT\x00"
+FORMAT_VERSION = 1
+PREAMBLE_BYTES = 4096
+ALIGN = 4096
+DEFAULT_CHUNK_BYTES = 16 << 20
+WEIGHTS_FILE = "model.cst"
+CHECKSUM_NAME = "wfletcher64-512"
+
+# struct layout of the preamble's fields (see the module docstring)
+_PREAMBLE = struct.Struct("<8sIIQQQQ32s")
+_CRC_AT = PREAMBLE_BYTES - 4
+
+# dtype name in the index -> (element size, torch dtype attribute name)
+DTYPES: dict[str, tuple[int, str]] = {
+    "float64": (8, "float64"),
+    "float32": (4, "float32"),
+    "float16": (2, "float16"),
+    "bfloat16": (2, "bfloat16"),
+    "float8_e4m3fn": (1, "float8_e4m3fn"),
+    "float8_e5m2": (1, "float8_e5m2"),
+    "int64": (8, "int64"),
+    "int32": (4, "int32"),
+    "int16": (2, "int16"),
+    "int8": (1, "int8"),
+    "uint8": (1, "uint8"),
+    "bool": (1, "bool"),
+}
+
+
+class PackedFormatError(Exception):
+    """A packed file is malformed, truncated, corrupt or of an unknown version.
+
+    The message names the file and, where it applies, the tensor or chunk.
+    """
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the index; ``offset`` is relative to the data region."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Index:
+    """The JSON index at the end of ``model.cst``."""
+
+    tensors: list[TensorEntry]
+    chunk_bytes: int
+    chunk_sums: list[tuple[int, int]]
+    aliases: dict[str, str] = field(default_factory=dict)  # name -> name it shares storage with
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": "coldstart",
+            "version": FORMAT_VERSION,
+            "alignment": ALIGN,
+            "checksum": CHECKSUM_NAME,
+            "chunk_bytes": self.chunk_bytes,
+            # sums as fixed-width hex: JSON numbers above 2**53 lose bits in many readers
+            "chunk_sums": [f"{a:016x}{b:016x}" for a, b in self.chunk_sums],
+            "tensors": [
+                {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                 "offset": t.offset, "nbytes": t.nbytes}
+                for t in self.tensors
+            ],
+            "aliases": self.aliases,
+            "metadata": self.metadata,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def encode_preamble(data_bytes: int, index: bytes) -> bytes:
+    head = _PREAMBLE.pack(
+        MAGIC, FORMAT_VERSION, 0, PREAMBLE_BYTES, data_bytes,
+        PREAMBLE_BYTES + data_bytes, len(index), hashlib.sha256(index).digest(),
+    )
+    buf = bytearray(PREAMBLE_BYTES)
+    buf[: len(head)] = head
+    struct.pack_into("<I", buf, _CRC_AT, zlib.crc32(bytes(buf[:_CRC_AT])))
+    return bytes(buf)
+
+
+@dataclass
+class PackedFile:
+    """An opened (not yet loaded) packed weight file: preamble and index only."""
+
+    path: Path
+    file_bytes: int
+    data_offset: int
+    data_bytes: int
+    index: Index
+    digest: str
+
+    @property
+    def tensors(self) -> list[TensorEntry]:
+        return self.index.tensors
+
+    def tensors_in_chunk(self, chunk: int) -> list[str]:
+        """Names of the tensors whose bytes overlap chunk number ``chunk``."""
+        lo = chunk * self.index.chunk_bytes
+        hi = lo + self.index.chunk_bytes
+        return [t.name for t in self.index.tensors if t.offset < hi and t.offset + t.nbytes > lo]
+
+    def describe_chunk(self, chunk: int) -> str:
+        names = self.tensors_in_chunk(chunk)
+        lo = self.data_offset + chunk * self.index.chunk_bytes
+        hi = min(lo + self.index.chunk_bytes, self.data_offset + self.data_bytes)
+        what = ", ".join(repr(n) for n in names[:4]) or "padding only"
+        if len(names) > 4:
+            what += f" and {len(names) - 4} more"
+        return f"chunk {chunk} (file bytes {lo}..{hi}, tensors {what})"
+
+
+def _fail(path: Path, msg: str) -> PackedFormatError:
+    return PackedFormatError(f"{path}: {msg}")
+
+
+def read_packed(path: str | os.PathLike) -> PackedFile:
+    """Read and check the preamble and index of a packed weight file.
+
+    Reads 4 KiB plus the index, never the data region. Every structural problem
+    (wrong magic, newer version, truncation, a flipped byte in preamble or index,
+    an index entry outside the data region) raises ``PackedFormatError``.
+
+    Args:
+        path: ``model.cst`` itself or a packed model directory holding it.
+    Returns:
+        A ``PackedFile``.
+    """
+    if sys.byteorder != "little":
+        raise PackedFormatError("packed weight files are little-endian; this host is big-endian")
+    p = Path(path)
+    if p.is_dir():
+        p = p / WEIGHTS_FILE
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no packed weight file; make one with `coldstart pack SRC DEST`")
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        pre = f.read(PREAMBLE_BYTES)
+        if len(pre) < _PREAMBLE.size or pre[:8] != MAGIC:
+            raise _fail(p, f"not a coldstart packed file (magic {pre[:8]!r}, expected {MAGIC!r}); "
+                           "re-create it with `coldstart pack`")
+        magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
+            _PREAMBLE.unpack_from(pre)
+        if len(pre) == PREAMBLE_BYTES and version <= FORMAT_VERSION:
+            want_crc = struct.unpack_from("<I", pre, _CRC_AT)[0]
+            if zlib.crc32(pre[:_CRC_AT]) != want_crc:
+                raise _fail(p, "header is corrupt (preamble crc32 mismatch); re-pack or re-copy the file")
+        if version > FORMAT_VERSION:
+            raise _fail(p, f"format version {version} is newer than this coldstart reads "
+                           f"(up to {FORMAT_VERSION}); upgrade coldstart")
+        if version < 1:
+            raise _fail(p, f"format version {version} is invalid; re-pack the model")
+        if len(pre) < PREAMBLE_BYTES:
+            raise _fail(p, f"truncated: {size} bytes, shorter than the {PREAMBLE_BYTES}-byte header")
+        if data_off != PREAMBLE_BYTES or data_bytes % ALIGN or index_off != data_off + data_bytes:
+            raise _fail(p, "header is inconsistent (data region offsets); re-pack the model")
+        expected = index_off + index_bytes
+        if size != expected:
+            kind = "truncated" if size < expected else "has trailing bytes"
+            raise _fail(p, f"{kind}: file is {size} bytes, header says {expected}; "
+                           "re-copy or re-pack the model")
+        f.seek(index_off)
+        raw = f.read(index_bytes)
+    if hashlib.sha256(raw).digest() != index_sha:
+        raise _fail(p, "index is corrupt (sha256 mismatch); re-pack or re-copy the file")
+    index = _parse_index(p, raw, data_bytes)
+    return PackedFile(p, size, data_off, data_bytes, index, index_sha.hex())
+
+
+def _parse_index(p: Path, raw: bytes, data_bytes: int) -> Index:
+    try:
+        doc = json.loads(raw)
+        chunk_bytes = int(doc["chunk_bytes"])
+        if doc.get("checksum") != CHECKSUM_NAME:
+            raise _fail(p, f"unknown checksum {doc.get('checksum')!r}; upgrade coldstart")
+        sums = [(int(s[:16], 16), int(s[16:], 16)) for s in doc["chunk_sums"]]
+        entries = [
+            TensorEntry(t["name"], t["dtype"], tuple(int(d) for d in t["shape"]),
+                        int(t["offset"]), int(t["nbytes"]))
+            for t in doc["tensors"]
+        ]
+        aliases = dict(doc.get("aliases", {}))
+        meta = dict(doc.get("metadata", {}))
+    except PackedFormatError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise _fail(p, f"index is malformed ({type(e).__name__}: {e}); re-pack the model") from e
+    if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+        raise _fail(p, f"index chunk_bytes={chunk_bytes} is not a positive multiple of {ALIGN}")
+    n_chunks = -(-data_bytes // chunk_bytes)
+    if len(sums) != n_chunks:
+        raise _fail(p, f"index has {len(sums)} chunk checksums, the data region needs {n_chunks}")
+    names = set()
+    for t in entries:
+        if t.dtype not in DTYPES:
+            raise _fail(p, f"tensor {t.name!r} has unknown dtype {t.dtype!r}; upgrade coldstart")
+        if t.name in names:
+            raise _fail(p, f"tensor {t.name!r} appears twice in the index")
+        names.add(t.name)
+        if t.offset % ALIGN or t.offset < 0:
+            raise _fail(p, f"tensor {t.name!r} offset {t.offset} is not {ALIGN}-aligned")
+        if t.nbytes != t.numel * DTYPES[t.dtype][0]:
+            raise _fail(p, f"tensor {t.name!r}: {t.nbytes} bytes do not match shape "
+                           f"{list(t.shape)} of {t.dtype}")
+        if t.offset + t.nbytes > data_bytes:
+            raise _fail(p, f"tensor {t.name!r} spans data bytes {t.offset}..{t.offset + t.nbytes}, "
+                           f"outside the {data_bytes}-byte data region; re-pack the model")
+    for a, target in aliases.items():
+        if target not in names or a in names:
+            raise _fail(p, f"alias {a!r} -> {target!r} does not name a stored tensor")
+    return Index(entries, chunk_bytes, sums, aliases, meta)

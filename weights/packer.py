@@ -1,0 +1,244 @@
+"""``coldstart pack SRC DEST``: a Hugging Face model directory -> a packed model directory.
+
+Streams tensor by tensor (the model is never instantiated and never held twice
+in memory), lays tensors out sorted by name, each 4 KiB-aligned, writes the
+chunk checksums and the index, and publishes DEST atomically: everything is
+written under a temporary name beside DEST, fsynced, then renamed. An
+interrupted or failed pack leaves no DEST that looks valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checksum
+from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, PREAMBLE_BYTES, WEIGHTS_FILE, Index,
+                     TensorEntry, align_up, encode_preamble)
+from .sources import SourceError, find_weight_files, iter_tensors, open_sources
+
+log = logging.getLogger(__name__)
+
+# Files that travel with the weights so the packed directory alone serves the model.
+SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)
+CAST_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """How to pack.
+
+    Attributes:
+        dtype: cast floating-point tensors to this dtype (float32, float16 or
+            bfloat16); integer tensors (quantized weights) are stored as they are.
+        force: replace an existing DEST.
+        chunk_bytes: checksum chunk size, a multiple of 4096.
+        progress: show a progress bar (only on a terminal).
+    """
+
+    dtype: str | None = None
+    force: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in CAST_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported for casting; "
+                             f"use one of {', '.join(CAST_DTYPES)}")
+        if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a positive multiple of {ALIGN}")
+
+
+def _natural_key(name: str) -> list:
+    # model.layers.10 after model.layers.9, so the file is in layer order
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
+
+
+def _check_src(src: Path) -> list[Path]:
+    if not src.exists():
+        raise SourceError(f"{src}: no such directory; give the path of a Hugging Face model directory")
+    if not src.is_dir():
+        raise SourceError(f"{src}: not a directory; give the path of a Hugging Face model directory")
+    if not any(src.iterdir()):
+        raise SourceError(f"{src}: the directory is empty; download or copy the model into it first")
+    if not (src / "config.json").is_file():
+        raise SourceError(f"{src}: no config.json; a Hugging Face model directory has one "
+                          "(save the model with save_pretrained, or copy config.json in)")
+    files = find_weight_files(src)
+    if not files:
+        raise SourceError(f"{src}: no weights (*.safetensors or *.bin files) found")
+    return files
+
+
+def _stored_dtype(name: str, dtype: str, file: Path, cast: str | None) -> str:
+    tdt = getattr(torch, dtype, None) if dtype in DTYPES else None
+    if tdt is None:
+        # safetensors codes were mapped to torch already; only odd .bin dtypes land here
+        raise SourceError(f"{file}: tensor {name!r} has dtype {dtype}, which a packed file cannot "
+                          f"hold; supported: {', '.join(DTYPES)}")
+    if cast and tdt.is_floating_point and tdt.itemsize >= 2:
+        return cast  # fp8 stays fp8: casting it up would change what was quantized
+    return dtype
+
+
+def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions | None = None
+         ) -> Path:
+    """Pack a Hugging Face model directory into a packed model directory.
+
+    Args:
+        src: local HF model directory (config.json plus safetensors shards, with
+            or without an index, or ``.bin`` files).
+        dest: the packed directory to create.
+        options: ``PackOptions``; defaults keep dtypes as they are.
+    Returns:
+        ``dest`` as a Path.
+    Raises:
+        SourceError: SRC is missing, empty, has no config or weights, a bad shard,
+            a duplicate or unsupported tensor.
+        FileExistsError: DEST exists and ``force`` is not set.
+
+    Example:
+        >>> pack("Llama-2-7b-hf", "weights/llama-2-7b", PackOptions(dtype="float16"))
+    """
+    opts = options or PackOptions()
+    src, dest = Path(src), Path(dest)
+    files = _check_src(src)
+    if dest.exists() and not opts.force:
+        raise FileExistsError(f"{dest} exists; pass --force to replace it")
+    metas, handles, aliases = open_sources(files)
+    if not metas:
+        raise SourceError(f"{src}: the weight files hold no tensors")
+
+    # Layout first (metadata only), so every tensor can be written where it belongs.
+    entries: list[TensorEntry] = []
+    off = 0
+    for name in sorted(metas, key=_natural_key):
+        m = metas[name]
+        stored = _stored_dtype(name, m.dtype, m.file, opts.dtype)
+        nbytes = int(np.prod(m.shape, dtype=np.int64)) * DTYPES[stored][0]
+        entries.append(TensorEntry(name, stored, m.shape, off, nbytes))
+        off = align_up(off + nbytes)
+    data_bytes = max(align_up(off), ALIGN)
+    by_name = {e.name: e for e in entries}
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    try:
+        _write_weights(tmp / WEIGHTS_FILE, files, handles, by_name, data_bytes, aliases, opts,
+                       {"source": src.name, "cast": opts.dtype})
+        for f in SIDE_FILES:
+            if (src / f).is_file():
+                shutil.copy2(src / f, tmp / f)
+        _fsync_dir(tmp)
+        _publish(tmp, dest, opts.force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        for h in handles:
+            if hasattr(h, "close"):
+                h.close()
+    log.info("packed %d tensors (%.2f GB) from %s into %s", len(entries), data_bytes / 1e9, src, dest)
+    return dest
+
+
+def _write_weights(path: Path, files, handles, by_name: dict[str, TensorEntry], data_bytes: int,
+                   aliases: dict[str, str], opts: PackOptions, meta: dict) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, PREAMBLE_BYTES + data_bytes)  # zero padding for free (sparse)
+        bar = _progress(sum(e.nbytes for e in by_name.values()), opts.progress)
+        for name, t, file in iter_tensors(files, handles, skip=set(aliases)):
+            e = by_name[name]
+            if tuple(t.shape) != e.shape:
+                raise SourceError(f"{file}: tensor {name!r} changed shape while reading")
+            t = t.to(getattr(torch, e.dtype)) if str(t.dtype) != f"torch.{e.dtype}" else t
+            buf = t.contiguous().view(-1).view(torch.uint8).numpy()
+            _pwrite_all(fd, buf, PREAMBLE_BYTES + e.offset, file, name)
+            bar.update(e.nbytes)
+        bar.close()
+        # Sums over what is on disk now (mostly still in the page cache), via a map.
+        # mode "c": a private map torch may wrap without a read-only warning; never written
+        region = np.memmap(path, dtype=np.uint8, mode="c", offset=PREAMBLE_BYTES, shape=(data_bytes,))
+        sums = checksum.chunk_sums(torch.from_numpy(region), opts.chunk_bytes)
+        del region
+        index = Index(sorted(by_name.values(), key=lambda e: e.offset), opts.chunk_bytes, sums,
+                      aliases, meta).to_bytes()
+        _pwrite_all(fd, np.frombuffer(index, np.uint8), PREAMBLE_BYTES + data_bytes, path, "index")
+        # The preamble goes last: until it is written the file has no valid magic.
+        _pwrite_all(fd, np.frombuffer(encode_preamble(data_bytes, index), np.uint8), 0, path, "header")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, buf: np.ndarray, offset: int, file, name: str) -> None:
+    mv = memoryview(buf).cast("B")
+    done = 0
+    while done < len(mv):
+        n = os.pwrite(fd, mv[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"short write of {name!r} from {file}")
+        done += n
+
+
+def _fsync_dir(d: Path) -> None:
+    for p in d.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, dest: Path, force: bool) -> None:
+    """Rename the finished temporary directory to DEST (replacing it under --force)."""
+    old = None
+    if dest.exists():
+        if not force:
+            raise FileExistsError(f"{dest} exists; pass --force to replace it")
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    fd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, desc="pack")

@@ -1,0 +1,177 @@
+"""Reading tensors out of a Hugging Face checkpoint directory, one at a time.
+
+Two formats: safetensors shards (parsed here directly: an 8-byte header length,
+a JSON header, then raw bytes; memory-mapped, so a tensor costs no RAM until it
+is touched) and PyTorch ``.bin`` files, read with ``torch.load(weights_only=True,
+mmap=True)``, which never unpickles code. Every source yields the same thing:
+``(name, tensor, file)`` in a stable order.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+# safetensors dtype codes -> torch dtypes we store
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ELEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+         "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_MAX_HEADER = 100 << 20
+
+
+class SourceError(ValueError):
+    """The source checkpoint cannot be packed; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    file: Path
+    dtype: str          # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+
+def find_weight_files(src: Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors if any, else ``.bin``."""
+    st = sorted(src.glob("*.safetensors"))
+    if st:
+        return st
+    return sorted(p for p in src.glob("*.bin") if p.name != "training_args.bin")
+
+
+class SafetensorsFile:
+    """One safetensors shard, its header checked against the file's size."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > _MAX_HEADER or 8 + hlen > size:
+                raise SourceError(f"{path}: truncated or corrupt safetensors file "
+                                  f"(header of {hlen} bytes, file of {size} bytes)")
+            try:
+                header = json.loads(f.read(hlen))
+            except ValueError as e:
+                raise SourceError(f"{path}: safetensors header is not valid JSON ({e})") from e
+        header.pop("__metadata__", None)
+        self.base = 8 + hlen
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            code = e.get("dtype")
+            shape = tuple(int(d) for d in e.get("shape", ()))
+            lo, hi = (int(v) for v in e.get("data_offsets", (0, 0)))
+            if code not in _ST_DTYPES:
+                raise SourceError(
+                    f"{path}: tensor {name!r} has dtype {code}, which a packed file cannot hold; "
+                    f"supported: {', '.join(_ST_DTYPES)}. Convert it first or drop it.")
+            n = int(np.prod(shape, dtype=np.int64)) * _ELEM[code]
+            if hi - lo != n:
+                raise SourceError(f"{path}: tensor {name!r} has {hi - lo} bytes for shape "
+                                  f"{list(shape)} of {code} ({n} expected); the file is corrupt")
+            if self.base + hi > size:
+                raise SourceError(
+                    f"{path}: truncated: tensor {name!r} ends at byte {self.base + hi}, "
+                    f"the file has {size}; re-download the shard")
+            self.entries[name] = (code, shape, lo, hi)
+        self._mm: mmap.mmap | None = None
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def describe(self, name: str) -> SourceTensor:
+        code, shape, _, _ = self.entries[name]
+        return SourceTensor(name, self.path, str(_ST_DTYPES[code]).removeprefix("torch."), shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as a CPU view of the memory-mapped file (no copy)."""
+        code, shape, lo, hi = self.entries[name]
+        if self._mm is None:
+            with open(self.path, "rb") as f:
+                # a private (copy-on-write) map: writable for torch, never written
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        dtype = _ST_DTYPES[code]
+        if hi == lo:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8, count=hi - lo,
+                                             offset=self.base + lo))
+        if (self.base + lo) % _ELEM[code]:
+            raw = raw.clone()  # misaligned in the source: view(dtype) needs an aligned start
+        return raw.view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+def _bin_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types for a bad or unsafe pickle
+        raise SourceError(f"{path}: cannot read it as a PyTorch weights file with "
+                          f"weights_only=True ({type(e).__name__}: {e})") from e
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise SourceError(f"{path}: not a flat state dict of tensors")
+    return sd
+
+
+def open_sources(files: list[Path]) -> tuple[dict[str, SourceTensor], list, dict[str, str]]:
+    """Index every tensor of every file, refusing duplicate names across shards.
+
+    Returns the tensors' descriptions, one handle per file, and the aliases:
+    tensors of a ``.bin`` file that share storage with an earlier one (tied
+    embeddings), as ``{alias: name stored}``.
+    """
+    where: dict[str, SourceTensor] = {}
+    handles: list = []
+    aliases: dict[str, str] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            h = SafetensorsFile(path)
+            metas = [h.describe(n) for n in h.names()]
+        else:
+            h = _bin_state(path)
+            metas = []
+            seen: dict[tuple, str] = {}
+            for n, t in h.items():
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                       tuple(t.stride()), t.dtype)
+                if t.numel() and key in seen:
+                    aliases[n] = seen[key]
+                    continue
+                seen[key] = n
+                metas.append(SourceTensor(n, path, str(t.dtype).removeprefix("torch."),
+                                          tuple(t.shape)))
+        handles.append(h)
+        for m in metas:
+            if m.name in where:
+                raise SourceError(f"tensor {m.name!r} is in both {where[m.name].file.name} and "
+                                  f"{path.name}; a checkpoint must name each tensor once")
+            where[m.name] = m
+    return where, handles, aliases
+
+
+def iter_tensors(files: list[Path], handles: list,
+                 skip: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Every tensor, file by file in the files' own order (sequential reads)."""
+    for path, h in zip(files, handles):
+        items = ((n, h.get(n)) for n in h.names()) if isinstance(h, SafetensorsFile) else h.items()
+        for name, t in items:
+            if name not in skip:
+                yield name, t, path
