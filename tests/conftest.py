@@ -12,7 +12,11 @@ import torch
 from weights import PackOptions, make_demo, pack
 
 HAS_CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def gpu(f):
+    """Mark a test as needing CUDA (``-m gpu`` selects them); skipped cleanly without one."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")(f))
 
 
 @pytest.fixture(scope="session")

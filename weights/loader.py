@@ -2,14 +2,16 @@
 
 GPU path: one ``torch.empty(data_bytes, uint8)`` on the device; reader threads
 ``preadv`` the file in ``read_bytes`` pieces into a small pinned staging ring
-(``slots_per_thread`` slots per thread, so pinning costs tens of ms, not the
-seconds a whole-model pinned buffer would) and each thread copies its slot to
-the device on its own CUDA stream, overlapping the next read. ``preadv``
-releases the GIL, so threads read the page cache in parallel. Once every byte
-is on the device, the chunk checksums are computed there (two reductions over
-the buffer, milliseconds) and compared with the index; a mismatch names the
-chunk, its tensors and the file. Every tensor is then a view of the buffer:
-no per-tensor allocation, no second copy.
+(``slots_per_thread`` slots per thread, pinned by each thread itself so the
+pinning runs in parallel; tens of MB, not the seconds a whole-model pinned
+buffer would cost) and each thread copies its slot to the device on its own
+CUDA stream, overlapping its next read. ``preadv`` and the ctypes CUDA calls
+(``weights.cudart``) release the GIL, so the threads really run in parallel.
+As soon as a group of chunks has landed, a verifier thread computes their
+checksums on the device (two reductions, milliseconds) on its own stream; the
+sums are compared with the index at the end, and a mismatch names the chunk,
+its tensors and the file. Every tensor is then a view of the buffer: no
+per-tensor allocation, no second copy.
 
 CPU path: the data region is memory-mapped (copy-on-write, never written) and
 tensors are views of the map: zero copy, and nothing is read until used,
@@ -28,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checksum
+from . import checksum, readahead
 from .format import DTYPES, PackedFile, PackedFormatError, read_packed
 from .timing import PhaseTimer
 
@@ -44,15 +46,20 @@ class LoadOptions:
         read_bytes: bytes per read and per host->device copy (a multiple of 4096).
         slots_per_thread: pinned staging slots per thread (2 = double buffering).
         verify: check every chunk's checksum (on the device for GPU loads).
+        readahead: issue posix_fadvise(WILLNEED) for the whole file first, so a
+            cold disk streams at full speed while the readers wait on it.
         headroom_bytes: device memory that must stay free after the weights
             (activations, the KV cache); the load is refused up front otherwise.
     """
 
-    threads: int = 16
-    read_bytes: int = 8 << 20
+    # 8 threads x 4 MiB was the fastest of 8/16/24 threads x 4/8 MiB on an H200
+    # host (bench/results/runs/load-v2-*.json): more threads only contend
+    threads: int = 8
+    read_bytes: int = 4 << 20
     slots_per_thread: int = 2
     verify: bool = True
     headroom_bytes: int = 0
+    readahead: bool = True
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -181,54 +188,190 @@ def _load_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
                timer: PhaseTimer) -> torch.Tensor:
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    if opts.readahead:
+        readahead.prefetch(packed.path)  # a cold disk starts streaming at once
     n = packed.data_bytes
     with timer.phase("alloc"):
         free, total = torch.cuda.mem_get_info(dev)
         check_fits(n, free, total, str(dev), opts.headroom_bytes)
         buffer = torch.empty(n, dtype=torch.uint8, device=dev)
-    with timer.phase("pin", nbytes=opts.ring_bytes):
-        ring = torch.empty(opts.ring_bytes, dtype=torch.uint8, pin_memory=True)
+    rt = _cudart()
+    verifier = _Verifier(packed, buffer, dev) if opts.verify else None
     with timer.phase("read_copy", nbytes=n, sync=lambda: torch.cuda.synchronize(dev)):
-        _stream_into(packed, buffer, ring, dev, opts)
-    if opts.verify:
+        _stream_into(packed, buffer, dev, opts, rt, verifier)
+    if verifier is not None:
+        # the sums of most chunks were computed while later ones were still loading;
+        # this phase is only what was left when the last byte arrived
         with timer.phase("verify", nbytes=n, sync=lambda: torch.cuda.synchronize(dev)):
-            _verify(packed, buffer)
+            verifier.finish()
     return buffer
 
 
-def _stream_into(packed: PackedFile, buffer: torch.Tensor, ring: torch.Tensor,
-                 dev: torch.device, opts: LoadOptions) -> None:
-    n, step, nthreads = packed.data_bytes, opts.read_bytes, opts.threads
+_RT: list = []
+
+
+def _cudart():
+    """libcudart through ctypes (GIL-free copies), found once; None -> torch calls."""
+    if not _RT:
+        from .cudart import CudaRT
+        rt = CudaRT.find()
+        if rt is None:
+            log.warning("libcudart not found in this process: loading through torch's copy calls, "
+                        "which hold the GIL per piece (slower with many threads)")
+        _RT.append(rt)
+    return _RT[0]
+
+
+class _Verifier:
+    """Checks groups of chunks on the device as soon as all their bytes have landed.
+
+    Runs in its own thread and CUDA stream while the readers go on, so for all
+    but the last group the check costs no wall time.
+    """
+
+    GROUP = 32  # chunks per reduction: 512 MiB with 16 MiB chunks
+
+    def __init__(self, packed: PackedFile, buffer: torch.Tensor, dev: torch.device):
+        self.packed, self.buffer, self.dev = packed, buffer, dev
+        self.cb = packed.index.chunk_bytes
+        self.n_chunks = len(packed.index.chunk_sums)
+        self.sums = torch.empty((self.n_chunks, 2), dtype=torch.int64, device=dev)
+        self.landed = 0  # bytes [0, landed) are on the device
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="coldstart-verify", daemon=True)
+        self.thread.start()
+
+    def advance(self, upto: int) -> None:
+        with self.cond:
+            if upto > self.landed:
+                self.landed = upto
+                self.cond.notify_all()
+
+    def abort(self) -> None:
+        self.advance(1 << 62)
+
+    def _run(self) -> None:
+        try:
+            torch.cuda.set_device(self.dev)
+            stream = torch.cuda.Stream(self.dev)
+            with torch.cuda.stream(stream):
+                # load the reduction kernels now, not when the last byte has arrived
+                checksum.chunk_sums_tensor(torch.zeros(4096, dtype=torch.uint8, device=self.dev), 4096)
+                for first in range(0, self.n_chunks, self.GROUP):
+                    k = min(self.GROUP, self.n_chunks - first)
+                    end = min((first + k) * self.cb, self.packed.data_bytes)
+                    with self.cond:
+                        self.cond.wait_for(lambda: self.landed >= end)
+                    self.sums[first:first + k] = checksum.chunk_sums_tensor(
+                        self.buffer, self.cb, first, k)
+            stream.synchronize()
+        except BaseException as e:  # reported by finish()
+            self.error = e
+
+    def finish(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        bad = checksum.first_mismatch(self.sums, checksum.as_signed(self.packed.index.chunk_sums))
+        if bad is not None:
+            raise PackedFormatError(
+                f"{self.packed.path}: checksum mismatch in {self.packed.describe_chunk(bad)}; the "
+                "file is corrupt: re-copy or re-pack the model (coldstart verify names every bad chunk)")
+
+
+class _Slots:
+    """One reader thread's pinned staging slots, stream and copies.
+
+    With libcudart (``rt``) every call is a ctypes call that drops the GIL;
+    otherwise the same steps go through torch.
+    """
+
+    def __init__(self, rt, dev: torch.device, buffer: torch.Tensor, n: int, step: int):
+        self.rt, self.buffer, self.n, self.step = rt, buffer, n, step
+        self.stream = torch.cuda.Stream(dev)
+        if rt is not None:
+            from .cudart import host_view
+            rt.set_device(dev.index)
+            self.ptrs = [rt.host_alloc(step) for _ in range(n)]
+            self.views = [host_view(p, step) for p in self.ptrs]
+            self.events = [rt.event() for _ in range(n)]
+            self.handle = self.stream.cuda_stream
+            self.base = buffer.data_ptr()
+        else:
+            self.tensors = [torch.empty(step, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+            self.views = [memoryview(t.numpy()) for t in self.tensors]
+            self.events = [torch.cuda.Event() for _ in range(n)]
+        self.pending: list[int | None] = [None] * n  # end offset of the copy in flight per slot
+
+    def wait(self, s: int) -> int | None:
+        """Wait until slot ``s`` is free; returns the end offset of the copy that freed it."""
+        end, self.pending[s] = self.pending[s], None
+        if end is not None:
+            if self.rt is not None:
+                self.rt.wait(self.events[s])
+            else:
+                self.events[s].synchronize()
+        return end
+
+    def copy(self, s: int, off: int, length: int) -> None:
+        if self.rt is not None:
+            self.rt.copy_h2d(self.base + off, self.ptrs[s], length, self.handle)
+            self.rt.record(self.events[s], self.handle)
+        else:
+            with torch.cuda.stream(self.stream):
+                self.buffer[off: off + length].copy_(self.tensors[s][:length], non_blocking=True)
+                self.events[s].record(self.stream)
+        self.pending[s] = off + length
+
+    def close(self) -> None:
+        if self.rt is not None:
+            for e in self.events:
+                self.rt.destroy(e)
+            for p in self.ptrs:
+                self.rt.free_host(p)
+
+
+def _stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
+                 rt, verifier: "_Verifier | None") -> None:
+    n, step = packed.data_bytes, opts.read_bytes
     pieces = [(off, min(step, n - off)) for off in range(0, n, step)]
-    nthreads = min(nthreads, len(pieces))
+    nthreads = min(opts.threads, len(pieces))
     fd = os.open(packed.path, os.O_RDONLY)
     errors: list[BaseException] = []
     stop = threading.Event()
+    # piece j goes to thread j % nthreads: together the threads sweep the file front
+    # to back (sequential for a cold disk, and chunks complete roughly in order)
+    done_upto = [0] * nthreads  # per thread: all its pieces below this offset are on the device
+    lock = threading.Lock()
+    all_slots: list[_Slots] = []  # freed after every thread is done: cudaFreeHost can sync the device
+
+    def landed(k: int, end: int | None) -> None:
+        if verifier is None or end is None:
+            return
+        with lock:
+            done_upto[k] = end
+            low = min(done_upto)
+        verifier.advance(low)
 
     def worker(k: int) -> None:
         try:
             torch.cuda.set_device(dev)
-            stream = torch.cuda.Stream(dev)
-            base = k * opts.slots_per_thread * step
-            slots = [ring[base + i * step: base + (i + 1) * step]
-                     for i in range(opts.slots_per_thread)]
-            views = [memoryview(s.numpy()) for s in slots]
-            events: list[torch.cuda.Event | None] = [None] * len(slots)
-            # piece j goes to thread j % nthreads: together the threads sweep the
-            # file front to back, which keeps a cold disk's reads sequential
-            for i, (off, length) in enumerate(pieces[k::nthreads]):
+            # each thread pins its own slots: pinning runs in parallel and overlaps reads
+            slots = _Slots(rt, dev, buffer, opts.slots_per_thread, step)
+            with lock:
+                all_slots.append(slots)
+            mine = pieces[k::nthreads]
+            for i, (off, length) in enumerate(mine):
                 if stop.is_set():
                     return
-                s = i % len(slots)
-                if events[s] is not None:
-                    events[s].synchronize()  # the slot's previous copy has left it
-                _read_exact(fd, views[s][:length], packed.data_offset + off, packed)
-                with torch.cuda.stream(stream):
-                    buffer[off: off + length].copy_(slots[s][:length], non_blocking=True)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                events[s] = ev
-            stream.synchronize()
+                s = i % len(slots.views)
+                landed(k, slots.wait(s))
+                _read_exact(fd, slots.views[s][:length], packed.data_offset + off, packed)
+                slots.copy(s, off, length)
+            for s in range(len(slots.views)):
+                slots.wait(s)
+            landed(k, n)
         except BaseException as e:  # re-raised in the caller's thread below
             errors.append(e)
             stop.set()
@@ -242,10 +385,13 @@ def _stream_into(packed: PackedFile, buffer: torch.Tensor, ring: torch.Tensor,
             t.join()
     finally:
         os.close(fd)
+        for sl in all_slots:
+            sl.close()
+        if errors and verifier is not None:
+            verifier.abort()
+            verifier.thread.join()
     if errors:
         raise errors[0]
-
-
 def _read_exact(fd: int, view: memoryview, offset: int, packed: PackedFile) -> None:
     done = 0
     while done < len(view):

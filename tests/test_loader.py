@@ -1,0 +1,138 @@
+"""weights.load: one buffer, views, verification on the loading path, CPU and GPU."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import gpu
+from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOptions, PhaseTimer,
+                     load, pack, read_packed)
+from weights.checksum import chunk_sums
+from weights.format import PREAMBLE_BYTES
+from weights.loader import check_fits
+
+
+def _source(src: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8)
+
+
+def test_cpu_tensors_are_views_of_the_file_map(small_hf, tmp_path):
+    dest = pack(small_hf, tmp_path / "p", PackOptions(progress=False))
+    m = load(dest, "cpu")
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str((dest / "model.cst").resolve())):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            maps.append((lo, hi))
+    assert maps, "model.cst is not memory-mapped"
+    for name, t in m.tensors.items():
+        p = t.data_ptr()
+        assert any(lo <= p < hi for lo, hi in maps), f"{name} is not a view of the map"
+
+
+def test_phases_feed_the_timer_and_sinks(tiny_packed):
+    seen = []
+    timer = PhaseTimer(sinks=[lambda name, s, n: seen.append(name)])
+    load(tiny_packed, "cpu", timer=timer)
+    assert seen == ["open", "map", "verify", "assemble"]
+    v = timer.get("verify")
+    assert v.nbytes == read_packed(tiny_packed).data_bytes and v.gbps > 0
+    assert v.line().startswith("[METRIC] phase=verify seconds=")
+
+
+def test_check_fits_message():
+    check_fits(10, 11, 20, "cuda:0")
+    with pytest.raises(DeviceMemoryError, match=r"needs 12.50 GiB on cuda:0, which has 8.00 GiB free "
+                                                r"of 80.00 GiB"):
+        check_fits(int(12.5 * 2**30), 8 * 2**30, 80 * 2**30, "cuda:0")
+    with pytest.raises(DeviceMemoryError, match=r"plus 4.00 GiB of headroom"):
+        check_fits(2**30, 4 * 2**30, 80 * 2**30, "cuda:0", headroom=4 * 2**30)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(threads=0), "threads=0 must be at least 1"),
+    (dict(read_bytes=1000), "read_bytes=1000 must be a positive multiple of 4096"),
+    (dict(slots_per_thread=0), "slots_per_thread=0 must be at least 1"),
+])
+def test_load_options_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        LoadOptions(**kw)
+
+
+def test_unknown_device(tiny_packed):
+    with pytest.raises(ValueError, match="only cpu and cuda"):
+        load(tiny_packed, "meta")
+
+
+def test_missing_packed_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="coldstart pack"):
+        load(tmp_path, "cpu")
+
+
+# ---- GPU: run on the GPU machine ----
+
+@gpu
+@pytest.mark.parametrize("threads, read_bytes", [(1, 4096), (3, 12288), (16, 8 << 20)])
+def test_gpu_bit_exact(small_hf, tmp_path_factory, threads, read_bytes):
+    dest = tmp_path_factory.mktemp("g") / "p"
+    pack(small_hf, dest, PackOptions(chunk_bytes=65536, progress=False))
+    m = load(dest, "cuda", options=LoadOptions(threads=threads, read_bytes=read_bytes))
+    src = _source(small_hf)
+    assert set(m.tensors) == set(src)
+    for name, t in src.items():
+        g = m.tensors[name]
+        assert g.is_cuda and g.dtype == t.dtype and g.shape == t.shape
+        assert torch.equal(_bits(g), _bits(t)), name
+    assert all(t.untyped_storage().data_ptr() == m.buffer.untyped_storage().data_ptr()
+               for t in m.tensors.values())
+
+
+@gpu
+def test_gpu_torch_copy_path_bit_exact(small_hf, tmp_path, monkeypatch):
+    # the path taken where libcudart cannot be bound: torch's own copies and events
+    from weights import loader
+    monkeypatch.setattr(loader, "_cudart", lambda: None)
+    dest = pack(small_hf, tmp_path / "p", PackOptions(chunk_bytes=65536, progress=False))
+    m = load(dest, "cuda", options=LoadOptions(threads=4, read_bytes=65536))
+    for name, t in _source(small_hf).items():
+        assert torch.equal(_bits(m.tensors[name]), _bits(t)), name
+
+
+@gpu
+def test_gpu_and_cpu_checksums_agree():
+    data = torch.randint(0, 256, ((3 << 20) + 8192,), dtype=torch.uint8)
+    assert chunk_sums(data, 1 << 20) == chunk_sums(data.cuda(), 1 << 20)
+
+
+@gpu
+def test_gpu_load_detects_a_corrupt_chunk(tiny_packed, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_packed, d)
+    pf = read_packed(d)
+    victim = pf.tensors[-1]
+    with open(d / "model.cst", "r+b") as f:
+        f.seek(PREAMBLE_BYTES + victim.offset)
+        b = f.read(1)
+        f.seek(PREAMBLE_BYTES + victim.offset)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(PackedFormatError, match=r"checksum mismatch in chunk \d+"):
+        load(d, "cuda")
+
+
+@gpu
+def test_gpu_out_of_memory_refused(tiny_packed):
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(DeviceMemoryError, match=r"GiB of headroom on cuda:\d, which has"):
+        load(tiny_packed, "cuda", options=LoadOptions(headroom_bytes=free))
