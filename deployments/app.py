@@ -1,0 +1,53 @@
+"""The Ray Serve application: ``serve run serve_config.yaml`` imports ``deployments.app:app``.
+
+``LLMDeployment`` is ``LLMServer`` plus deployment options; ``build_app(args)``
+is the application builder that serve_config.yaml points at, so operators set
+the model, device, engine and load options under ``args`` without code. The
+module imports no torch: a replica's process reaches the constructor (and
+its read-ahead hint) before paying for torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from deployments.config import DeploymentArgs, WarmupPlan
+from deployments.metrics import Metrics
+from deployments.server import LLMServer
+
+
+@serve.deployment(
+    # one replica answers many requests at once (continuous batching); Ray's own queue
+    # beyond max_queued_requests answers 503 instead of letting latency grow without bound
+    max_ongoing_requests=32,
+    max_queued_requests=64,
+    health_check_period_s=5,
+    health_check_timeout_s=10,
+    graceful_shutdown_wait_loop_s=2,
+    graceful_shutdown_timeout_s=30,
+    user_config={"warmup": {}},
+)
+class LLMDeployment(LLMServer):
+    def __init__(self, **args: Any):
+        super().__init__(**args, metrics=Metrics(use_ray=True))
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Application builder for serve_config.yaml's ``import_path: deployments.app:build_app``.
+
+    ``args`` are ``DeploymentArgs`` fields; they are checked here, in the
+    controller, so a typo fails ``serve run`` at once rather than in every replica.
+    """
+    a = DeploymentArgs.from_dict(args)
+    # resolve a relative model path where `serve run` was started, not in the replica
+    a.model = str(a.model_path())
+    WarmupPlan()  # the default plan must be valid
+    return LLMDeployment.bind(model=a.model, model_name=a.model_name, device=a.device,
+                              engine=a.engine, load=a.load)

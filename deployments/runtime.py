@@ -1,0 +1,87 @@
+"""Replica runtime set-up: pick the device, check it can work, create the CUDA context.
+
+Runs first in the replica's constructor, so a wrong driver or an invisible GPU
+fails the replica at once with a message that says what to fix, instead of a
+hang or a CUDA error deep inside loading. The CUDA context is created here,
+before anything else touches the GPU, and timed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+class PreflightError(RuntimeError):
+    """The replica cannot run on this machine; the message says what to fix."""
+
+
+def _visible() -> str:
+    return (f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}, "
+            f"NVIDIA_VISIBLE_DEVICES={os.environ.get('NVIDIA_VISIBLE_DEVICES', '<unset>')}")
+
+
+def choose_device(requested: str):
+    """Resolve ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` into a torch.device, or raise
+    ``PreflightError`` when a GPU was asked for and cannot be used."""
+    import torch
+
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "auto" and not torch.cuda.is_available():
+        log.info("no GPU visible (%s): serving on the CPU", _visible())
+        return torch.device("cpu")
+    if torch.version.cuda is None:
+        raise PreflightError(
+            f"device={requested!r} but this torch ({torch.__version__}) is a CPU-only build; "
+            "install a CUDA build of torch (see the Dockerfile)")
+    if not torch.cuda.is_available():
+        raise PreflightError(
+            f"device={requested!r} but no GPU is usable ({_visible()}); check that the replica "
+            "asks Ray for a GPU (ray_actor_options.num_gpus), that the NVIDIA driver is loaded, "
+            f"and that it supports CUDA {torch.version.cuda} (run `coldstart doctor`)")
+    n = torch.cuda.device_count()
+    idx = 0 if requested in ("auto", "cuda") else int(requested.split(":", 1)[1])
+    if idx >= n:
+        raise PreflightError(f"device={requested!r} but only {n} GPU(s) are visible ({_visible()}); "
+                             "inside Ray and Kubernetes the visible GPUs are renumbered from 0")
+    return torch.device("cuda", idx)
+
+
+def check_env() -> list[str]:
+    """Warnings about start-up settings (the deployment's runtime_env should set them)."""
+    warn = []
+    if os.environ.get("CUDA_MODULE_LOADING", "LAZY") != "LAZY":
+        warn.append("CUDA_MODULE_LOADING is not LAZY: context creation loads every kernel "
+                    "(seconds); set it to LAZY in runtime_env.env_vars")
+    return warn
+
+
+def create_context(device) -> dict:
+    """Create the CUDA context on ``device`` now (no-op on CPU); returns facts for the log."""
+    import torch
+
+    if device.type != "cuda":
+        return {"device": "cpu", "threads": torch.get_num_threads()}
+    torch.cuda.set_device(device)
+    torch.empty(1, device=device)  # the first allocation creates the primary context
+    torch.cuda.synchronize(device)
+    props = torch.cuda.get_device_properties(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"device": str(device), "name": props.name, "cuda": torch.version.cuda,
+            "free_gib": round(free / 2**30, 1), "total_gib": round(total / 2**30, 1)}
+
+
+def device_error(device) -> str | None:
+    """A cheap check that the GPU still works; the error text, or None when healthy."""
+    if device.type != "cuda":
+        return None
+    import torch
+    try:
+        torch.cuda.synchronize(device)  # surfaces a sticky error from any earlier kernel
+        torch.cuda.mem_get_info(device)
+    except RuntimeError as e:
+        return f"GPU error on {device}: {e}"
+    return None

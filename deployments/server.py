@@ -1,0 +1,286 @@
+"""The serving logic as a plain class: start-up, warm-up, health, HTTP.
+
+``LLMServer`` has the shape Ray Serve expects, but needs no Ray: tests and
+tools build it directly. ``deployments.app`` adds the deployment options.
+
+Start-up order (each step timed; phases go to the log and the metrics):
+  1. read-ahead hint for the weight file (a cold disk starts now, under the imports)
+  2. imports: torch and the engine modules (never transformers for native models)
+  3. runtime: pick the device, preflight checks, create the CUDA context
+  4. load: the packed model into one device buffer, verified as it loads
+  5. engine: model over views of that buffer, tokenizer, KV cache, CUDA graphs
+Then ``reconfigure(user_config)`` runs the warm-up plan through the same path
+as requests; only then does ``check_health`` pass, so Ray routes traffic to
+warm replicas only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from deployments import api
+from deployments.config import DeploymentArgs, WarmupPlan, _from_dict
+from deployments.metrics import Metrics
+from weights.readahead import prefetch
+from weights.timing import PhaseTimer
+
+log = logging.getLogger("coldstart.server")
+
+RETRY_AFTER_S = 5
+
+
+class NotWarm(RuntimeError):
+    pass
+
+
+class LLMServer:
+    """A replica: one model on one device, served over HTTP.
+
+    Args (keyword, as in serve_config.yaml's ``args``): see ``DeploymentArgs``.
+    ``metrics``: where phases and request figures go (``Metrics(use_ray=True)``
+    inside Ray).
+    """
+
+    def __init__(self, model: str = "weights/demo", *, model_name: str | None = None,
+                 device: str = "auto", engine: dict | None = None, load: dict | None = None,
+                 metrics: Metrics | None = None):
+        t_start = time.perf_counter()
+        self.args = DeploymentArgs.from_dict(
+            {"model": model, "model_name": model_name, "device": device,
+             "engine": engine or {}, "load": load or {}})
+        path = self.args.model_path()
+        prefetch(path)  # before torch: the disk works while Python imports
+        self.metrics = metrics or Metrics()
+        self.timer = timer = PhaseTimer(sinks=[self.metrics.phase])
+        self.warm = False
+        self.warmups = 0
+        self._t_start = t_start
+
+        with timer.phase("imports"):
+            import torch  # noqa: F401  (the cost is what this phase measures)
+
+            from deployments.engine import Engine, EngineConfig
+            from deployments.model import build_model
+            from deployments.runtime import check_env, choose_device, create_context
+            from deployments.tokenizer import Tokenizer
+            from weights.loader import LoadOptions, load as load_packed
+        for w in check_env():
+            log.warning(w)
+        with timer.phase("context"):
+            self.device = choose_device(self.args.device)
+            log.info("runtime: %s", create_context(self.device))
+        if not (path / "model.cst").is_file():
+            raise FileNotFoundError(
+                f"{path}: no packed model here (model.cst missing); make one with "
+                "`coldstart pack HF_DIR " + str(path) + "`, or run `coldstart serve` for the demo")
+        opts = _from_dict(LoadOptions, self.args.load, "args.load")
+        t0 = time.perf_counter()
+        loaded = load_packed(path, self.device, options=opts, timer=timer)
+        timer.record("load", time.perf_counter() - t0, loaded.nbytes)
+        with timer.phase("engine"):
+            ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
+            self.model = build_model(loaded.config, loaded.tensors)
+            self.tokenizer = Tokenizer.from_dir(path)
+            self.engine = Engine(self.model, self.tokenizer, ecfg)
+            self.engine.start()
+        self.loaded = loaded
+        self.model_name = self.args.model_name or path.name
+        timer.record("constructor", time.perf_counter() - t_start)
+        self._routes: dict[tuple[str, str], Callable] = {
+            ("POST", "/generate"): self._generate,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/stats"): self._stats,
+        }
+
+    # ---- lifecycle ---------------------------------------------------------
+    def reconfigure(self, user_config: dict | None) -> None:
+        """Run the warm-up plan; the replica is warm (and healthy) only after it."""
+        plan = WarmupPlan.from_user_config(user_config)
+        self.warm = False
+        with self.timer.phase("warmup"):
+            self._warmup(plan)
+        if plan.hold_s:
+            time.sleep(plan.hold_s)
+        self.warm = True
+        self.warmups += 1
+        if self.warmups == 1:
+            self.timer.record("total", time.perf_counter() - self._t_start)
+
+    def _warmup(self, plan: WarmupPlan) -> None:
+        from deployments.request import SamplingParams
+        cfg = self.engine.config
+        plen = max(1, min(int(plan.prompt_fraction * cfg.max_seq_len),
+                          cfg.max_seq_len - plan.decode_tokens))
+        seed = self.tokenizer.encode("The answer is forty-two. " * 8, add_special_tokens=False) or [3]
+        prompt = (seed * (plen // len(seed) + 1))[:plen]
+        params = SamplingParams(max_new_tokens=plan.decode_tokens, temperature=0.0, ignore_eos=True)
+        for _ in range(plan.requests):
+            for b in plan.batch_sizes:
+                b = min(b, cfg.max_slots)
+                handles = [self.engine.submit(prompt, params) for _ in range(b)]
+                for h in handles:
+                    _, _, reason = h.result()
+                    if reason == "error":
+                        raise RuntimeError(f"warm-up request failed: {h.error!r}")
+
+    def check_health(self) -> None:
+        """Cheap; raises when not warm, when the engine loop died, or on a GPU error."""
+        if not self.warm:
+            raise NotWarm("replica is not warm yet")
+        if not self.engine.alive():
+            raise RuntimeError(f"engine loop is not running: {self.engine.error!r}")
+        from deployments.runtime import device_error
+        err = device_error(self.device)
+        if err:
+            raise RuntimeError(err)
+        self.metrics.sample_gpu(self.device)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # ---- HTTP --------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
+        handler = self._routes.get((request.method, request.url.path.rstrip("/") or "/"))
+        if handler is None:
+            known = sorted({p for _, p in self._routes})
+            allowed = [m for m, p in self._routes if p == request.url.path]
+            if allowed:
+                return _error(f"{request.method} not allowed on {request.url.path}; use {allowed[0]}", 405)
+            return _error(f"no route {request.url.path}; routes: {', '.join(known)}", 404)
+        if not self.warm and handler not in (self._health, self._stats):
+            self.metrics.request("not_warm")
+            return _error("replica is warming up; retry shortly", 503,
+                          {"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            return await handler(request)
+        except api.BadRequest as e:
+            self.metrics.request("bad_request")
+            return _error(str(e), e.status)
+        except RuntimeError as e:  # one request failed inside the engine; the replica goes on
+            log.error("request failed: %s", e)
+            return _error(str(e), 500)
+
+    async def _submit(self, ids: list[int], params):
+        try:
+            return self.engine.submit(ids, params)
+        except ValueError as e:  # prompt too long, ids outside the vocabulary, ...
+            raise api.BadRequest(str(e)) from e
+        except RuntimeError as e:  # the engine loop died: this replica is going away
+            raise api.BadRequest(f"replica unavailable: {e}", 503) from e
+
+    def _encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    async def _run(self, handle) -> tuple[str, list[int], str]:
+        text, ids = [], []
+        try:
+            async for ch in handle:
+                text.append(ch.text)
+                ids.extend(ch.token_ids)
+        finally:
+            if not handle.done:
+                handle.cancel()  # the caller went away: free the slot
+            self._account(handle)
+        if handle.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {handle.error!r}")
+        return "".join(text), ids, handle.finish_reason
+
+    def _account(self, handle) -> None:
+        status = {"error": "error", "cancelled": "cancelled"}.get(handle.finish_reason or "", "ok")
+        self.metrics.request(status)
+        qw = getattr(handle, "queue_wait_s", None)
+        self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, qw)
+
+    async def _stream(self, handle, render: Callable[[Any], bytes | None],
+                      tail: Callable[[Any], bytes] | None = None) -> AsyncIterator[bytes]:
+        try:
+            async for ch in handle:
+                piece = render(ch)
+                if piece:
+                    yield piece
+            if tail is not None:
+                yield tail(handle)
+        finally:
+            if not handle.done:
+                handle.cancel()
+            self._account(handle)
+
+    async def _generate(self, request: Request) -> Response:
+        prompt, params, stream = api.parse_generate(api.parse_json(await request.body()))
+        ids = self._encode(prompt)
+        handle = await self._submit(ids, params)
+        if stream:
+            def render(ch) -> bytes:
+                return (json.dumps({"text": ch.text, "token_ids": ch.token_ids,
+                                    "finish_reason": ch.finish_reason}) + "\n").encode()
+            return StreamingResponse(self._stream(handle, render), media_type="application/x-ndjson")
+        text, out, reason = await self._run(handle)
+        return JSONResponse({"text": text, "token_ids": out, "finish_reason": reason,
+                             "usage": api.usage(len(ids), len(out)),
+                             "ttft_s": handle.ttft_s})
+
+    async def _completions(self, request: Request) -> Response:
+        prompt, params, stream = api.parse_completion(api.parse_json(await request.body()))
+        ids = self._encode(prompt)
+        handle = await self._submit(ids, params)
+        rid, model = api.new_id("cmpl"), self.model_name
+        if stream:
+            return StreamingResponse(self._stream(
+                handle, lambda ch: api.sse(api.completion_chunk(rid, model, ch.text, ch.finish_reason)),
+                lambda h: api.sse("[DONE]")), media_type="text/event-stream")
+        text, out, reason = await self._run(handle)
+        return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)))
+
+    async def _chat(self, request: Request) -> Response:
+        messages, params, stream = api.parse_chat(api.parse_json(await request.body()))
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except ValueError as e:  # no template, or the template rejected the messages
+            raise api.BadRequest(str(e)) from e
+        except Exception as e:  # jinja2 raises its own types for a template's raise_exception
+            raise api.BadRequest(f"chat template rejected the messages: {e}") from e
+        handle = await self._submit(ids, params)
+        rid, model = api.new_id("chatcmpl"), self.model_name
+        if stream:
+            first = [True]
+
+            def render(ch) -> bytes:
+                out = b""
+                if first[0]:
+                    first[0] = False
+                    out += api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+                if ch.text or ch.finish_reason:
+                    delta = {"content": ch.text} if ch.text else {}
+                    out += api.sse(api.chat_chunk(rid, model, delta, ch.finish_reason))
+                return out
+            return StreamingResponse(self._stream(handle, render, lambda h: api.sse("[DONE]")),
+                                     media_type="text/event-stream")
+        text, out, reason = await self._run(handle)
+        return JSONResponse(api.chat_body(rid, model, text, reason, len(ids), len(out)))
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "coldstart",
+             "digest": self.loaded.packed.digest}]})
+
+    async def _health(self, request: Request) -> Response:
+        if not self.warm:
+            return _error("warming up", 503, {"Retry-After": str(RETRY_AFTER_S)})
+        return JSONResponse({"status": "ok", "model": self.model_name})
+
+    async def _stats(self, request: Request) -> Response:
+        return JSONResponse({"warm": self.warm, "engine": self.engine.stats(),
+                             **self.metrics.snapshot()})
+
+
+def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(api.error_body(message, status), status_code=status, headers=headers)
