@@ -1,0 +1,217 @@
+"""Benchmark the native engine against transformers' eager `generate`.
+
+Usage (GPU machine):
+    python bench/engine.py weights/llama-7b --out bench/results/engine.json
+    python bench/engine.py /path/to/hf-checkpoint --out ...      # safetensors directory
+    python bench/engine.py --random llama-7b --out ...            # random fp16 weights made on the GPU
+    python bench/engine.py /tmp/tiny-hf --device cpu --dtype float32 --new-tokens 16 --out /tmp/b.json
+
+Measures: import time of the engine modules (subprocess, torch already imported),
+graph capture + warm-up, first request after warm-up vs the tenth, batch-1
+decode ms/token (and the GB/s of weights it implies), total tokens/s at 1, 4
+and 16 concurrent requests, and HF eager `generate` ms/token on the same tensors.
+Every timing syncs the device first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from deployments.model import build_model  # noqa: E402
+
+RANDOM_CONFIGS = {
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_tensors(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(config dict, tensors dict): the boundary the project loader (`weights.load`) also returns."""
+    if args.random:
+        cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **RANDOM_CONFIGS[args.random]}
+        hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+        shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], cfg["hidden_size"]),
+                  "model.norm.weight": (cfg["hidden_size"],),
+                  "lm_head.weight": (cfg["vocab_size"], cfg["hidden_size"])}
+        D, F, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"] * hd
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            shapes |= {p + "self_attn.q_proj.weight": (D, D), p + "self_attn.k_proj.weight": (kv, D),
+                       p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, D),
+                       p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                       p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
+                       p + "post_attention_layernorm.weight": (D,)}
+        g = torch.Generator(device=device).manual_seed(0)
+        tensors = {}
+        for k, s in shapes.items():
+            if len(s) == 1:
+                tensors[k] = torch.ones(s, device=device, dtype=dtype)
+            else:
+                tensors[k] = (torch.randn(s, device=device, dtype=dtype, generator=g) * 0.02)
+        return cfg, tensors
+    d = Path(args.model)
+    if (d / "model.cst").exists():  # packed directory: the project loader
+        import weights
+
+        loaded = weights.load(d, device)
+        return loaded.config, loaded.tensors
+    from safetensors.torch import load_file
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{d}: no model.cst and no *.safetensors; give a packed or HF checkpoint directory")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f), device=str(device)))
+    tensors = {k: v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v for k, v in tensors.items()}
+    return json.loads((d / "config.json").read_text()), tensors
+
+
+def import_seconds() -> float:
+    code = ("import torch, time; t = time.perf_counter();"
+            "import deployments.model, deployments.engine, deployments.tokenizer;"
+            "print(time.perf_counter() - t)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    """Total generated tokens/s with all prompts submitted at once (prefill included)."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    sync(device)
+    t0 = time.perf_counter()
+    handles = [engine.submit(p, params) for p in prompts]
+    n = sum(len(h.result(timeout=600)[0]) for h in handles)
+    return n / (time.perf_counter() - t0)
+
+
+def hf_ms_per_token(config: dict, tensors: dict, prompt: list[int], new_tokens: int, device: torch.device) -> float:
+    """transformers eager generate on the same tensors: (t(N) - t(1)) / (N - 1)."""
+    from deployments.hf_fallback import build_hf_model
+
+    hf = build_hf_model(config, tensors, reference=True).hf
+    ids = torch.tensor([prompt], device=device)
+
+    def gen(n: int) -> float:
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        sync(device)
+        return time.perf_counter() - t
+
+    gen(2)  # warm-up
+    return (gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", help="packed directory or HF safetensors directory")
+    ap.add_argument("--random", choices=sorted(RANDOM_CONFIGS), help="random weights of this shape instead")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--out", type=Path, help="write the JSON results here")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-slots", type=int, default=16)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    args = ap.parse_args(argv)
+    if not args.model and not args.random:
+        ap.error("give a model directory or --random SHAPE")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "dtype": args.dtype, "torch": torch.__version__}
+
+    res["import_s"] = import_seconds()
+    sync(device)
+    t = time.perf_counter()
+    config, tensors = load_tensors(args, device, dtype)
+    model = build_model(config, tensors)
+    sync(device)
+    res["load_build_s"] = time.perf_counter() - t
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    res["weight_gb"] = weight_bytes / 1e9
+
+    max_seq = min(args.max_seq_len, model.max_position_embeddings)
+    ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs)
+    engine = Engine(model, None, ecfg)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+
+    def prompt() -> list[int]:
+        return torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+
+    greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    sync(device)
+    t = time.perf_counter()
+    engine.start()  # CUDA-graph capture
+    res["capture_s"] = engine.stats()["capture_s"]
+    engine.generate(prompt(), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    sync(device)
+    res["capture_warmup_s"] = time.perf_counter() - t
+
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        engine.generate(prompt(), SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        times.append((time.perf_counter() - t) * 1e3)
+    res["first_request_ms"], res["tenth_request_ms"] = times[0], times[9]
+    res["first_vs_tenth_ms"] = [times[0], times[9]]
+
+    h = engine.submit(prompt(), greedy)
+    h.result(timeout=600)
+    res["ttft_ms_b1"] = h.ttft_s * 1e3
+    res["decode_ms_per_token_b1"] = 1e3 / h.decode_tokens_per_s
+    res["weights_gb_per_s_b1"] = res["weight_gb"] / (res["decode_ms_per_token_b1"] / 1e3)
+
+    for c in (1, 4, 16):
+        if c > args.max_slots:
+            continue
+        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt() for _ in range(c)], args.new_tokens, device)
+    if "tokens_per_s_b16" in res:
+        res["ratio_b16_b1"] = res["tokens_per_s_b16"] / res["tokens_per_s_b1"]
+    res["engine_stats"] = engine.stats()
+    engine.shutdown()
+    del engine
+
+    if not args.no_hf:
+        res["hf_ms_per_token"] = hf_ms_per_token(config, tensors, prompt(), min(args.new_tokens, 64), device)
+        res["speedup_vs_hf_b1"] = res["hf_ms_per_token"] / res["decode_ms_per_token_b1"]
+
+    rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in res.items() if k != "engine_stats"]
+    w = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        res["command"] = "python bench/engine.py " + " ".join(sys.argv[1:])
+        args.out.write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""Continuous-batching generation engine over a static KV cache.
+
+One background thread owns the device. Each turn of its loop:
+  1. takes new submissions and cancellations (at a step boundary);
+  2. admits waiting requests into free cache slots (lowest slot first, so the
+     live slots stay packed at the front and the decode batch stays small);
+  3. prefills admitted prompts, `prefill_chunk` tokens per turn, so a long
+     prompt does not stall running sequences for more than one chunk;
+  4. runs one decode step for every decoding sequence: cache slots 0..B-1 in
+     one batch, B rounded up to a graph bucket, keys read up to a kv-length
+     bucket; on CUDA this is a CUDA-graph replay, on CPU the same code eagerly;
+  5. samples, detokenizes, checks stops, streams chunks, retires finished ones.
+
+A failure inside one request's sampling / detokenizing fails only that request;
+a device error (or any error inside the batched forward) stops the loop,
+fails every request, and `alive()` turns False with the exception in `.error`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from deployments.request import Chunk, RequestHandle, SamplingParams, TextState
+from deployments.sampling import sample
+
+__all__ = ["Chunk", "Engine", "EngineConfig", "RequestHandle", "SamplingParams"]
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """Engine options; `validate()` (run by Engine) raises ValueError naming the field."""
+
+    max_slots: int = 8
+    """Concurrent sequences (KV-cache slots)."""
+    max_seq_len: int | None = None
+    """Prompt + generated tokens per sequence; None -> min(model max_position_embeddings, 4096)."""
+    prefill_chunk: int = 512
+    """Prompt tokens prefilled per loop turn (and per forward)."""
+    cuda_graphs: bool = True
+    """Capture the decode step as CUDA graphs (ignored on CPU and for the transformers fallback)."""
+    graph_batch_sizes: tuple[int, ...] | None = None
+    """Decode batch buckets; None -> 1, 2, 4, ... < max_slots, and max_slots."""
+    kv_len_buckets: tuple[int, ...] | None = None
+    """Decode key-length buckets; None -> 512, 2048, max_seq_len (each graph reads keys up to its bucket)."""
+    reserve_bytes: int = 1 * GiB
+    """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
+
+    def validate(self) -> None:
+        for name in ("max_slots", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len < 2
+        ):
+            raise ValueError(f"EngineConfig.max_seq_len must be an int >= 2 or None, got {self.max_seq_len!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        if not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
+            raise ValueError(f"EngineConfig.reserve_bytes must be an int >= 0, got {self.reserve_bytes!r}")
+        for name in ("graph_batch_sizes", "kv_len_buckets"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not v or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in v):
+                raise ValueError(f"EngineConfig.{name} must be a non-empty list of positive ints, got {v!r}")
+        if self.graph_batch_sizes is not None and max(self.graph_batch_sizes) > self.max_slots:
+            raise ValueError(
+                f"EngineConfig.graph_batch_sizes {list(self.graph_batch_sizes)} has sizes above max_slots={self.max_slots}"
+            )
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """A copy with defaults filled in against the model; raises ValueError naming the field."""
+        self.validate()
+        msl = self.max_seq_len or min(model_max_len, 4096)
+        if msl > model_max_len:
+            raise ValueError(
+                f"EngineConfig.max_seq_len={msl} exceeds the model's max_position_embeddings={model_max_len}"
+            )
+        bs = sorted(set(self.graph_batch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < self.max_slots]))
+        bs = sorted(set(bs) | {self.max_slots})  # the largest batch must always have a graph
+        kv = sorted({min(b, msl) for b in (self.kv_len_buckets or (512, 2048))} | {msl})
+        return EngineConfig(
+            self.max_slots, msl, min(self.prefill_chunk, msl), self.cuda_graphs, tuple(bs), tuple(kv), self.reserve_bytes
+        )
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise AssertionError(f"{n} above the largest bucket {buckets[-1]}")
+
+
+def _is_device_error(e: BaseException) -> bool:
+    # torch raises CUDA failures as RuntimeError (torch.AcceleratorError in newer releases)
+    return type(e).__name__ == "AcceleratorError" or "CUDA" in str(e) or "cuda" in type(e).__module__
+
+
+class _Seq:
+    """Engine-side state of one request (touched only by the loop thread)."""
+
+    __slots__ = ("handle", "prompt", "params", "slot", "prefilled", "pos", "last", "n_gen", "text", "gen", "stops")
+
+    def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
+        self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
+        self.slot = -1
+        self.prefilled = 0  # prompt tokens in the cache
+        self.pos = 0  # next cache position to write (tokens in the cache)
+        self.last = -1  # last sampled token, fed at `pos` by the next decode step
+        self.n_gen = 0
+        self.gen: torch.Generator | None = None
+
+
+class Engine:
+    """Continuous-batching engine. See the module docstring for the loop."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config.resolved(model.max_position_embeddings)
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+        self._eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        need = model.cache_bytes(cfg.max_slots, cfg.max_seq_len)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            _check_fits(need, cfg, free, total, str(self.device))
+        log.info("KV cache: %.2f GiB for %d slots x %d tokens", need / GiB, cfg.max_slots, cfg.max_seq_len)
+        model.setup_rope(cfg.max_seq_len)
+        self.cache = model.new_cache(cfg.max_slots, cfg.max_seq_len)
+        maxb = cfg.max_slots
+        # decode inputs: rows = token, position, valid; one host->device copy per step
+        self._inp = torch.zeros(3, maxb, dtype=torch.int64, device=self.device)
+        self._stage = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
+        self._free = list(range(cfg.max_slots))  # min-heap: lowest slot first keeps the batch packed
+        self._inbox: deque[_Seq] = deque()
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        self._decoding: list[_Seq] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count(1)
+        self.error: BaseException | None = None
+        self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0}
+
+    # ---------------------------------------------------------------- public
+    def start(self) -> None:
+        """Capture CUDA graphs (if enabled) and start the loop thread."""
+        if self._thread is not None:
+            return
+        if self._use_graphs:
+            self._capture()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request (thread-safe). Raises ValueError for a bad prompt or params,
+        RuntimeError once the loop has died."""
+        if self.error is not None:
+            raise RuntimeError(f"engine loop is dead: {self.error!r}")
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        prompt = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                f"exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs text, but this engine was built without a tokenizer")
+        handle = RequestHandle(next(self._ids), len(prompt), self._wake)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
+        text = TextState(self.tokenizer.incremental_decoder(prompt) if self.tokenizer else None, params.stop)
+        with self._lock:
+            self._inbox.append(_Seq(handle, prompt, params, text, stops))
+        self._wake.set()
+        return handle
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+        """Blocking convenience: (token_ids, text, finish_reason)."""
+        return self.submit(prompt_ids, params).result()
+
+    def alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        with self._lock:
+            waiting = len(self._inbox) + len(self._waiting)
+        return {
+            "running": len(self._prefilling) + len(self._decoding),
+            "waiting": waiting,
+            "free_slots": len(self._free),
+            "graphs": len(self._graphs),
+            **self._stats,
+        }
+
+    def shutdown(self) -> None:
+        """Stop the loop; unfinished requests end with finish_reason "cancelled"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._fail_all("cancelled")
+
+    # ---------------------------------------------------------------- graphs
+    def _decode_eager(self, B: int, L: int) -> torch.Tensor:
+        inp = self._inp[:, :B]
+        return self.model.decode(inp[0], inp[1], inp[2] != 0, self.cache, L)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """One CUDA graph per (batch bucket, kv-length bucket), largest first, sharing one memory pool."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        self._stage_inputs(cfg.max_slots, [])
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up (cuBLAS handles, lazy kernels) must precede capture
+            for B in cfg.graph_batch_sizes:
+                self._decode_eager(B, cfg.kv_len_buckets[-1])
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for B in reversed(cfg.graph_batch_sizes):
+            for L in reversed(cfg.kv_len_buckets):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._decode_eager(B, L)
+                self._graphs[(B, L)] = (g, out)
+        torch.cuda.synchronize(self.device)
+        self._stats["capture_s"] = time.perf_counter() - t0
+        log.info("captured %d decode graphs in %.2f s", len(self._graphs), self._stats["capture_s"])
+
+    # ---------------------------------------------------------------- loop
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._intake()
+                    if not (self._waiting or self._prefilling or self._decoding):
+                        self._wake.wait(0.1)
+                        self._wake.clear()
+                        continue
+                    self._admit()
+                    self._prefill_turn()
+                    self._decode_step()
+        except BaseException as e:  # noqa: BLE001 - the loop must record why it died
+            log.exception("engine loop died")
+            self.error = e
+            self._fail_all("error")
+
+    def _intake(self) -> None:
+        with self._lock:
+            while self._inbox:
+                self._waiting.append(self._inbox.popleft())
+        for s in [s for s in self._waiting if s.handle.cancelled]:
+            self._waiting.remove(s)
+            self._finish(s, "cancelled")
+        for s in [s for s in self._prefilling + self._decoding if s.handle.cancelled]:
+            self._finish(s, "cancelled")
+
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            s = self._waiting.popleft()
+            s.slot = heapq.heappop(self._free)
+            self._prefilling.append(s)
+
+    def _prefill_turn(self) -> None:
+        budget = self.config.prefill_chunk
+        for s in list(self._prefilling):
+            if budget <= 0:
+                break
+            try:
+                while s.prefilled < len(s.prompt) and budget > 0:
+                    n = min(self.config.prefill_chunk, len(s.prompt) - s.prefilled)
+                    chunk = torch.tensor([s.prompt[s.prefilled : s.prefilled + n]], device=self.device)
+                    logits = self.model.prefill(chunk, self.cache, s.slot, s.prefilled)  # [V]
+                    s.prefilled += n
+                    budget -= n
+                    self._stats["prompt_tokens"] += n
+            except Exception as e:
+                if _is_device_error(e) and not isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise
+                log.exception("request %d failed in prefill", s.handle.id)
+                self._finish(s, "error", e)
+                continue
+            if s.prefilled == len(s.prompt):
+                self._prefilling.remove(s)
+                s.pos = len(s.prompt)
+                s.gen = self._make_generator(s.params)
+                self._decoding.append(s)
+                self._sample_and_emit([s], logits.unsqueeze(0))
+
+    def _stage_inputs(self, B: int, seqs: list[_Seq]) -> None:
+        # Padding rows: token 0 at the last cache position, which no live sequence ever
+        # reaches (prompt + max_new_tokens <= max_seq_len and the last token is never fed).
+        # One host tensor and one copy per step: per-element tensor writes cost ~us each.
+        rows = [[0] * B, [self.config.max_seq_len - 1] * B, [0] * B]
+        for s in seqs:
+            rows[0][s.slot], rows[1][s.slot], rows[2][s.slot] = s.last, s.pos, 1
+        self._stage[:, :B] = torch.tensor(rows, dtype=torch.int64)
+        self._inp[:, :B].copy_(self._stage[:, :B], non_blocking=True)
+
+    def _decode_step(self) -> None:
+        seqs = self._decoding
+        if not seqs:
+            return
+        cfg = self.config
+        B = _bucket(max(s.slot for s in seqs) + 1, cfg.graph_batch_sizes)
+        L = _bucket(max(s.pos for s in seqs) + 1, cfg.kv_len_buckets)
+        self._stage_inputs(B, seqs)
+        if self._use_graphs:
+            g, logits = self._graphs[(B, L)]
+            g.replay()
+        else:
+            logits = self._decode_eager(B, L)
+        for s in seqs:
+            s.pos += 1
+        self._stats["steps"] += 1
+        slots = [s.slot for s in seqs]
+        if slots != list(range(B)):  # some rows are padding: pick the live ones
+            logits = logits.index_select(0, torch.tensor(slots, device=self.device))
+        self._sample_and_emit(list(seqs), logits)
+
+    def _make_generator(self, p: SamplingParams) -> torch.Generator | None:
+        if p.temperature == 0:
+            return None
+        g = torch.Generator(device=self.device)
+        if p.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(p.seed)
+        return g
+
+    def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        # logits: [R, V], row j for seqs[j]
+        args = ([s.params.temperature for s in seqs], [s.params.top_p for s in seqs], [s.params.top_k for s in seqs])
+        try:
+            toks: list[int | None] = sample(logits, *args, [s.gen for s in seqs])
+        except Exception as e:
+            if _is_device_error(e):
+                raise
+            # find the row at fault: sample one by one, failing only the bad ones
+            toks = []
+            for j, s in enumerate(seqs):
+                try:
+                    toks.extend(sample(logits[j : j + 1], *[[a[j]] for a in args], [s.gen]))
+                except Exception as e1:
+                    if _is_device_error(e1):
+                        raise
+                    log.exception("request %d failed in sampling", s.handle.id)
+                    self._finish(s, "error", e1)
+                    toks.append(None)
+        for s, tok in zip(seqs, toks):
+            if tok is None:
+                continue
+            try:
+                self._accept(s, tok)
+            except Exception as e:
+                log.exception("request %d failed after sampling", s.handle.id)
+                self._finish(s, "error", e)
+
+    def _accept(self, s: _Seq, tok: int) -> None:
+        s.last = tok
+        s.n_gen += 1
+        self._stats["tokens_generated"] += 1
+        s.handle._mark_token()
+        reason = None
+        if tok in s.stops:
+            text, reason = s.text.finish(stopped=True), "stop"  # the stop token's text is not returned
+        else:
+            text, hit = s.text.push(tok)
+            if hit:
+                reason = "stop"
+            elif s.n_gen >= s.params.max_new_tokens:
+                text, reason = text + s.text.finish(stopped=False), "length"
+        if reason is None:
+            s.handle._put(Chunk([tok], text, None))
+        else:
+            self._finish(s, reason, token=tok, text=text)
+
+    def _finish(self, s: _Seq, reason: str, error: BaseException | None = None, *, token: int | None = None, text: str = "") -> None:
+        for lst in (self._prefilling, self._decoding):
+            if s in lst:
+                lst.remove(s)
+        if s.slot >= 0:
+            heapq.heappush(self._free, s.slot)
+            s.slot = -1
+        self._stats["finished"] += 1
+        s.handle._put(Chunk([] if token is None else [token], text, reason), error=error)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            pending = list(self._inbox) + list(self._waiting) + self._prefilling + self._decoding
+            self._inbox.clear()
+        self._waiting.clear()
+        for s in pending:
+            if not s.handle.done:
+                self._finish(s, reason, self.error)
+
+    def __enter__(self) -> "Engine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _check_fits(need: int, cfg: EngineConfig, free: int, total: int, device: str) -> None:
+    """Raise ValueError (which knob to lower, needed vs free) if the KV cache does not fit."""
+    if need + cfg.reserve_bytes > free:
+        raise ValueError(
+            f"KV cache needs {need / GiB:.2f} GiB ({cfg.max_slots} slots x {cfg.max_seq_len} tokens) plus "
+            f"{cfg.reserve_bytes / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
+            f"is free on {device}; lower EngineConfig.max_slots or EngineConfig.max_seq_len (or reserve_bytes)"
+        )
+
+
+def iter_text(handle: RequestHandle) -> Iterator[str]:
+    """Blocking iteration over a request's text deltas (tests, CLI)."""
+    for chunk in handle:
+        yield chunk.text

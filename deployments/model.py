@@ -1,0 +1,520 @@
+"""Pure-torch decoder for the Llama family (Llama 2/3/3.1, Mistral, Qwen2).
+
+The model is built on the meta device and the given tensors are *assigned*
+(never copied), so its parameters stay views into the loader's one device
+buffer. Module names mirror the HF checkpoint names exactly, so the tensor
+dict from `weights.load(...)` (or a safetensors file) maps 1:1 onto it.
+
+Attention runs in one of three modes, chosen by an `AttnContext` shared by all
+layers of one forward call:
+
+- no cache  (tests, scoring): causal attention over the given tokens only;
+- prefill   one sequence, one chunk of its prompt, written into its KV slot;
+- decode    one token for each of the first B slots of the static cache.
+  Static shapes (B, kv_len) so the engine can capture it as a CUDA graph.
+
+This module must stay cheap to import: no transformers, no ray, no jinja2.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def architecture(cfg: Mapping[str, Any]) -> str:
+    """`architectures[0]`, or the native class for `model_type` when a config lacks it."""
+    archs = cfg.get("architectures") or []
+    return archs[0] if archs else _BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
+_SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
+# `enable_gqa` in SDPA arrived in torch 2.5; pyproject allows 2.4.
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def _need(cfg: Mapping[str, Any], key: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ValueError(f"config.json: missing required field `{key}`")
+    return cfg[key]
+
+
+@dataclass
+class ModelConfig:
+    """Everything the native decoder needs, read from an HF `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int = 0  # 0 -> num_attention_heads (no GQA)
+    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3"|"linear"|"dynamic", ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's attention_bias
+    o_bias: bool = False  # Llama's attention_bias
+    mlp_bias: bool = False
+    # Per layer: sliding-window size or None (full attention). Mistral: all layers;
+    # Qwen2: layers >= max_window_layers when use_sliding_window.
+    layer_windows: list = field(default_factory=list)
+    # derived
+    n_rep: int = field(init=False)
+    rope_type: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"config `{name}` must be a positive int, got {v!r}")
+        if not self.num_key_value_heads:
+            self.num_key_value_heads = self.num_attention_heads
+        if not self.head_dim:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"config `hidden_size` ({self.hidden_size}) is not divisible by "
+                    f"`num_attention_heads` ({self.num_attention_heads}); give `head_dim`"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ValueError(f"config `head_dim` must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config `num_key_value_heads` ({self.num_key_value_heads}) must divide "
+                f"`num_attention_heads` ({self.num_attention_heads})"
+            )
+        self.n_rep = self.num_attention_heads // self.num_key_value_heads
+        rs = self.rope_scaling or {}
+        self.rope_type = rs.get("rope_type", rs.get("type", "default")) or "default"
+        if self.rope_type not in _SUPPORTED_ROPE:
+            raise ValueError(
+                f"config `rope_scaling.rope_type` {self.rope_type!r} is not supported natively "
+                f"(supported: {', '.join(_SUPPORTED_ROPE)})"
+            )
+        if self.rope_type in ("linear", "dynamic", "llama3") and "factor" not in rs:
+            raise ValueError(f"config `rope_scaling.factor` is required for rope_type {self.rope_type!r}")
+        if rs.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("config `partial_rotary_factor` != 1.0 is not supported natively")
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_hidden_layers
+        if len(self.layer_windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"config `layer_types` has {len(self.layer_windows)} entries, expected num_hidden_layers="
+                f"{self.num_hidden_layers}"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Read an HF config.json dict (old `rope_scaling` or new `rope_parameters` style)."""
+        arch = architecture(cfg)
+        if arch not in NATIVE_ARCHITECTURES:
+            raise ValueError(
+                f"config `architectures` {cfg.get('architectures')!r} has no native implementation "
+                f"(native: {', '.join(NATIVE_ARCHITECTURES)}); use hf_fallback"
+            )
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        n_layers = _need(cfg, "num_hidden_layers")
+        defaults = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
+        bias = bool(cfg.get("attention_bias", False))
+        windows: list = [None] * n_layers
+        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+            windows = [int(cfg["sliding_window"])] * n_layers
+        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                for i in range(n_layers)
+            ]
+            windows = [int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in types]
+        return cls(
+            architecture=arch,
+            vocab_size=_need(cfg, "vocab_size"),
+            hidden_size=_need(cfg, "hidden_size"),
+            intermediate_size=_need(cfg, "intermediate_size"),
+            num_hidden_layers=n_layers,
+            num_attention_heads=_need(cfg, "num_attention_heads"),
+            num_key_value_heads=cfg.get("num_key_value_heads") or 0,
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or defaults[arch]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bias or arch == "Qwen2ForCausalLM",
+            o_bias=bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            layer_windows=windows,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, with HF's scaling rules.
+
+    "dynamic" NTK only changes anything past max_position_embeddings, which the
+    engine never reaches (max_seq_len <= max_position_embeddings), so it equals
+    "default" here.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling or {}
+    if cfg.rope_type == "linear":
+        inv = inv / rs["factor"]
+    elif cfg.rope_type == "llama3":
+        factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        lo_wl, hi_wl = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > lo_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < hi_wl) & ~(wavelen > lo_wl)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class KVCache:
+    """Static KV cache: per layer k and v of shape [slots, n_kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (max_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
+        # zeros, not empty: a never-written position must hold finite values, since
+        # masked-out scores still multiply it (0 * NaN = NaN).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.max_slots, self.max_seq_len = max_slots, max_seq_len
+
+    @staticmethod
+    def bytes_needed(cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * max_slots * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * itemsize
+
+
+@dataclass
+class AttnContext:
+    """How attention gets its keys/values in one forward call (shared by all layers)."""
+
+    mode: str  # "nocache" | "prefill" | "decode"
+    cos: torch.Tensor  # [B, S, Dh] in model dtype
+    sin: torch.Tensor  # sign-folded: [-sin | sin] over the two halves of Dh
+    masks: dict  # window (None = full) -> bool mask, True = attend; None when not needed
+    cache: KVCache | None = None
+    slot: int = 0  # prefill
+    start: int = 0  # prefill: position of the chunk's first token
+    positions: torch.Tensor | None = None  # decode: [B] int64
+    rows: torch.Tensor | None = None  # decode: arange(B)
+    kv_len: int = 0  # decode: keys read from the cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One fused kernel (fp32 statistics inside) instead of HF's ~7 elementwise ones:
+        # decode is bound by kernel count. HF rounds to the input dtype before the weight
+        # multiply; this rounds once after it (<= 1 ulp apart in fp16/bf16, equal in fp32).
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_rep = cfg.n_rep
+        self.window = cfg.layer_windows[layer_idx]
+        self.scale = cfg.head_dim**-0.5
+        D, Dq, Dkv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        # Kept separate (no fused qkv): a fused copy would double their memory, and
+        # separate matmuls at decode are weight-read bound either way.
+        self.q_proj = nn.Linear(D, Dq, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(Dq, D, bias=cfg.o_bias)
+
+    def _sdpa(self, q, k, v, mask) -> torch.Tensor:
+        # q: [B, H, S, Dh], k/v: [B, Hkv, L, Dh], mask: [B|1, 1, S, L] bool or None (causal, L == S)
+        if self.n_rep > 1 and not _SDPA_GQA:
+            k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+        kw = {"enable_gqa": True} if self.n_rep > 1 and _SDPA_GQA else {}
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+
+    def _decode_attn(self, q, k, v, mask_add) -> torch.Tensor:
+        # q: [B, H, 1, Dh]; k/v: [B, Hkv, L, Dh] strided views of the cache (no copy);
+        # mask_add: [B*Hkv, G, L] additive 0/-inf, built once per step. Batched matmuls
+        # read K/V once without repeating kv heads (SDPA with a mask and GQA may fall back
+        # to the math path), and baddbmm folds scale + mask into the QK^T kernel.
+        B, L = q.shape[0], k.shape[2]
+        qg = q.reshape(B * self.n_kv, self.n_rep, self.head_dim)  # head h = j * n_rep + g
+        k3 = k.reshape(B * self.n_kv, L, self.head_dim)  # a view: slot and head dims merge
+        v3 = v.reshape(B * self.n_kv, L, self.head_dim)
+        scores = torch.baddbmm(mask_add, qg, k3.transpose(1, 2), alpha=self.scale)  # [B*Hkv, G, L]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.bmm(probs, v3)  # [B*Hkv, G, Dh]
+        return out.view(B, self.n_heads, 1, self.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # x: [B, S, D]
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, S, Dh]
+        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        # rotate_half(x) * sin == roll(x, Dh/2) * [-sin | sin]: 3 kernels instead of 5
+        cos, sin = ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1)  # [B, 1, S, Dh]; sin sign-folded
+        half = self.head_dim // 2
+        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin)
+        k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
+        mask = ctx.masks.get(self.window) if ctx.masks else None
+        if ctx.mode == "nocache":
+            out = self._sdpa(q, k, v, mask)
+        elif ctx.mode == "prefill":
+            kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
+            end = ctx.start + S
+            kc[ctx.slot, :, ctx.start : end] = k[0]
+            vc[ctx.slot, :, ctx.start : end] = v[0]
+            if ctx.start == 0 and mask is None:
+                out = self._sdpa(q, k, v, None)  # fresh prompt: causal over itself, flash-eligible
+            else:  # later chunk: attend to the cached prefix too
+                out = self._sdpa(q, kc[ctx.slot : ctx.slot + 1, :, :end], vc[ctx.slot : ctx.slot + 1, :, :end], mask)
+        else:  # decode: row i of the batch is cache slot i
+            kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
+            kc[ctx.rows, :, ctx.positions] = k[:, :, 0]  # [B, Hkv, Dh] written at each row's position
+            vc[ctx.rows, :, ctx.positions] = v[:, :, 0]
+            out = self._decode_attn(q, kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
+        out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # [B, S, H*Dh]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, F_ = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(F_, D, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """The native decoder. Parameter names equal HF's (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+
+    supports_cuda_graphs = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_len = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    def setup_rope(self, max_seq_len: int) -> None:
+        """Precompute cos/sin tables [max_seq_len, head_dim] on the model's device (fp32 math, HF order)."""
+        inv = rope_inv_freq(self.config).to(self.device)
+        t = torch.arange(max_seq_len, device=self.device, dtype=torch.float32)
+        emb = torch.outer(t, inv)
+        self._cos = torch.cat((emb, emb), dim=-1).cos().to(self.dtype)  # [T, Dh]
+        self._sin = torch.cat((-emb.sin(), emb.sin()), dim=-1).to(self.dtype)  # sign folded for roll
+        self.rope_len = max_seq_len
+
+    def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
+        return KVCache(self.config, max_slots, max_seq_len, self.dtype, self.device)
+
+    def cache_bytes(self, max_slots: int, max_seq_len: int) -> int:
+        return KVCache.bytes_needed(self.config, max_slots, max_seq_len, self.dtype)
+
+    def _masks(self, q_pos: torch.Tensor, L: int, valid: torch.Tensor | None = None) -> dict:
+        # q_pos: [B, S] absolute positions; returns window -> [B, 1, S, L] (True = attend)
+        k_pos = torch.arange(L, device=q_pos.device)
+        qp = q_pos.unsqueeze(-1)  # [B, S, 1]
+        out = {}
+        for w in set(self.config.layer_windows):
+            m = k_pos <= qp
+            if w is not None:
+                m = m & (k_pos > qp - w)
+            if valid is not None:  # padding rows attend everywhere so they stay finite
+                m = m | ~valid.view(-1, 1, 1)
+            out[w] = m.unsqueeze(1)
+        return out
+
+    def _run(self, tokens: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)  # [B, S, D]
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def _check_len(self, n: int) -> None:
+        if n > self.rope_len:
+            raise ValueError(f"sequence of {n} positions exceeds the rope table ({self.rope_len}); call setup_rope")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full causal forward without a cache. tokens: [B, S] -> logits [B, S, V]."""
+        B, S = tokens.shape
+        self._check_len(S)
+        ctx = AttnContext("nocache", self._cos[:S].expand(B, S, -1), self._sin[:S].expand(B, S, -1), {})
+        if any(w is not None for w in self.config.layer_windows):
+            pos = torch.arange(S, device=tokens.device).expand(B, S)
+            ctx.masks = self._masks(pos, S)
+        return self.lm_head(self._run(tokens, ctx))
+
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int, start: int) -> torch.Tensor:
+        """One prompt chunk of one sequence. tokens: [1, C] at positions start..start+C-1.
+
+        Writes its keys/values into `slot` of the cache; returns the last position's logits [V].
+        """
+        C = tokens.shape[1]
+        end = start + C
+        self._check_len(end)
+        pos = torch.arange(start, end, device=tokens.device).unsqueeze(0)  # [1, C]
+        ctx = AttnContext("prefill", self._cos[start:end][None], self._sin[start:end][None], {}, cache, slot, start)
+        if start > 0 or any(w is not None for w in self.config.layer_windows):
+            ctx.masks = self._masks(pos, end)
+        h = self._run(tokens, ctx)
+        return self.lm_head(h[0, -1])
+
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache, kv_len: int
+    ) -> torch.Tensor:
+        """One decode step for cache slots 0..B-1. tokens/positions/valid: [B] -> logits [B, V].
+
+        Rows with valid == False are padding: they write their (harmless) keys at
+        their given position, which the engine sets to one no live sequence has
+        reached yet. Static shapes for a fixed (B, kv_len): CUDA-graph capturable.
+        """
+        B = tokens.shape[0]
+        cfg = self.config
+        pos2 = positions.view(B, 1)
+        masks = {}
+        for w, m in self._masks(pos2, kv_len, valid).items():  # m: [B, 1, 1, L] bool
+            add = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, float("-inf"))
+            masks[w] = add.expand(B, cfg.num_key_value_heads, cfg.n_rep, kv_len).reshape(-1, cfg.n_rep, kv_len)
+        ctx = AttnContext(
+            "decode",
+            self._cos[pos2],  # [B, 1, Dh]
+            self._sin[pos2],
+            masks,
+            cache,
+            positions=positions,
+            rows=torch.arange(B, device=tokens.device),
+            kv_len=kv_len,
+        )
+        h = self._run(tokens.view(B, 1), ctx)
+        return self.lm_head(h[:, 0])
+
+
+def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None) -> Transformer:
+    """Build the native decoder on meta and assign `tensors` (HF names) as its parameters.
+
+    Raises ValueError listing missing, unexpected and mis-shaped tensors.
+    """
+    cfg = ModelConfig.from_hf(config)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = _expected_shapes(model)
+    given = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF checkpoints
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(k for k in expected if k not in given and k not in optional)
+    unexpected = sorted(k for k in given if k not in expected)
+    misshaped = sorted(
+        f"{k}: expected {list(expected[k])}, given {list(given[k].shape)}"
+        for k in expected
+        if k in given and tuple(given[k].shape) != expected[k]
+    )
+    if missing or unexpected or misshaped:
+        parts = []
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
+        raise ValueError(f"{cfg.architecture} weights do not match config.json: " + " | ".join(parts))
+    devices = {t.device for t in given.values()}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    dtypes = {t.dtype for t in given.values()}
+    if len(dtypes) > 1:
+        log.warning("checkpoint mixes dtypes %s; the model computes in the embedding's dtype", sorted(map(str, dtypes)))
+    # Assign, never copy: each parameter becomes the given tensor (a view of the loader's buffer).
+    for name in expected:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        mod_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(mod_name), leaf, nn.Parameter(given[name], requires_grad=False))
+    if cfg.tie_word_embeddings:  # HF ties even when lm_head.weight is stored
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval()
+    model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
+    return model
+
+
+def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Build the serving model for `config` (an HF config.json dict) from `tensors` (HF names).
+
+    Llama / Mistral / Qwen2 get the native decoder; any other `architectures[0]`
+    is served through transformers' own class (slower start, logged).
+
+    Example:
+        model = build_model(json.load(open(d / "config.json")), safetensors.torch.load_file(f, device="cuda"))
+    """
+    if architecture(config) in NATIVE_ARCHITECTURES:
+        return build_native(config, tensors)
+    from deployments.hf_fallback import build_hf_model  # imports transformers: only on this path
+
+    return build_hf_model(config, tensors)

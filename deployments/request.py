@@ -1,0 +1,227 @@
+"""Request-side types of the engine: parameters, streamed chunks, the handle, stop-string text.
+
+`RequestHandle` is filled by the engine thread and read by the caller: async
+iteration from an asyncio event loop in another thread (chunks are handed over
+with `loop.call_soon_threadsafe`), blocking iteration, or `result()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+FINISH_REASONS = (None, "stop", "length", "cancelled", "error")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation options; `validate()` raises ValueError naming the field."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # on detokenized text; the stop string is not returned
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not (
+            0.0 <= self.temperature <= 100.0
+        ):
+            raise ValueError(f"SamplingParams.temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {self.seed!r}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a request's output."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # None, "stop", "length", "cancelled", "error"
+
+
+class TextState:
+    """Incremental text with stop strings: holds back any tail that could start a stop string."""
+
+    def __init__(self, decoder: Any | None, stop: list[str]):
+        self._dec = decoder
+        self._stop = list(stop)
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self.text = ""  # decoded so far (after a stop: cut at the stop string)
+        self._emitted = 0
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; returns (text to emit now, whether a stop string ended the output)."""
+        if self._dec is None:
+            return "", False
+        self.text += self._dec.push(token_id)
+        if not self._stop:
+            return self._take(len(self.text)), False
+        hits = [i for i in (self.text.find(s, self._emitted) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self._take(len(self.text)), True
+        return self._take(len(self.text) - self._held()), False
+
+    def finish(self, stopped: bool) -> str:
+        """Everything still held back (incomplete character, partial stop string)."""
+        if self._dec is not None:
+            self.text += self._dec.flush()
+        return self._take(len(self.text))
+
+    def _held(self) -> int:
+        # longest tail of the text (not yet emitted) that is a prefix of some stop string
+        t = self.text
+        for k in range(min(self._max_stop - 1, len(t) - self._emitted), 0, -1):
+            tail = t[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
+
+    def _take(self, end: int) -> str:
+        out = self.text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return out
+
+
+class RequestHandle:
+    """The caller's side of one request: stream of `Chunk`s, cancel, timing metrics."""
+
+    def __init__(self, request_id: int, prompt_len: int, wake: threading.Event):
+        self.id = request_id
+        self.prompt_len = prompt_len
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._chunks: list[Chunk] = []
+        self._cancel = False
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.n_tokens = 0
+        # bind to the submitter's event loop, if any, so chunks can be awaited there
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aq: asyncio.Queue | None = None
+        try:
+            self._bind(asyncio.get_running_loop())
+        except RuntimeError:
+            pass
+
+    # -------------------------------------------------------------- metrics
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from submit to the first token."""
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second after the first one (None until finished with >= 2 tokens)."""
+        if self.finished_at is None or self.first_token_at is None or self.n_tokens < 2:
+            return None
+        dt = self.finished_at - self.first_token_at
+        return (self.n_tokens - 1) / dt if dt > 0 else None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its slot is freed at the next step boundary."""
+        self._cancel = True
+        self._wake.set()
+
+    # -------------------------------------------------------------- engine side
+    def _mark_token(self) -> None:
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.n_tokens += 1
+
+    def _put(self, chunk: Chunk, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self.finish_reason is not None:
+                return
+            if chunk.finish_reason is not None:
+                self.finish_reason, self.error, self.finished_at = chunk.finish_reason, error, time.perf_counter()
+            self._chunks.append(chunk)
+            self._cond.notify_all()
+            if self._aq is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._aq.put_nowait, chunk)
+                except RuntimeError:  # the caller's loop is closed: nobody listens any more
+                    self._cancel = True
+
+    # -------------------------------------------------------------- caller side
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        # called on `loop`'s thread; replays chunks that arrived before binding
+        with self._cond:
+            self._loop, self._aq = loop, asyncio.Queue()
+            for c in self._chunks:
+                self._aq.put_nowait(c)
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._aq is None or self._loop is not asyncio.get_running_loop():
+            self._bind(asyncio.get_running_loop())
+        if getattr(self, "_aended", False):
+            raise StopAsyncIteration
+        try:
+            chunk = await self._aq.get()
+        except asyncio.CancelledError:  # the consumer went away (client disconnect)
+            self.cancel()
+            raise
+        if chunk.finish_reason is not None:
+            self._aended = True
+        return chunk
+
+    def __iter__(self) -> Iterator[Chunk]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._chunks):
+                    self._cond.wait()
+                chunk = self._chunks[i]
+            i += 1
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], str, str]:
+        """Block until finished; returns (token_ids, text, finish_reason). Raises TimeoutError."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.finish_reason is not None, timeout):
+                raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+            chunks = list(self._chunks)
+        ids = [t for c in chunks for t in c.token_ids]
+        return ids, "".join(c.text for c in chunks), self.finish_reason

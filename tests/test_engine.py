@@ -1,0 +1,307 @@
+"""Engine: greedy parity with transformers, continuous batching, cancel, stops, errors (CPU, fp32)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from deployments.engine import Engine, EngineConfig, SamplingParams, _check_fits
+from deployments.model import build_model
+from deployments.tokenizer import Tokenizer
+from helpers_engine import hf_greedy, hf_model, state_tensors, write_tokenizer_dir
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [2, 4], [9] * 13, [1, 50, 60, 70, 80], [42]]
+
+
+def make_engine(arch="llama", tokenizer=None, start=True, hf_kw=None, **cfg) -> tuple[Engine, torch.nn.Module]:
+    hf, config = hf_model(arch, **(hf_kw or {}))
+    model = build_model(config, state_tensors(hf))
+    eng = Engine(model, tokenizer, EngineConfig(**{"max_slots": 4, "max_seq_len": 64, "prefill_chunk": 4, **cfg}))
+    if start:
+        eng.start()
+    return eng, hf
+
+
+@pytest.fixture
+def engine():
+    eng, hf = make_engine()
+    yield eng, hf
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 6}), ("qwen2", {"tie_word_embeddings": True})])
+def test_greedy_matches_transformers_generate(arch, kw):
+    eng, hf = make_engine(arch, hf_kw=kw)
+    try:
+        for prompt in PROMPTS[:3]:  # prompt 3 spans 4 prefill chunks
+            ids, _, reason = eng.generate(prompt, SamplingParams(max_new_tokens=24, **GREEDY))
+            assert reason == "length"
+            assert ids == hf_greedy(hf, prompt, 24)
+    finally:
+        eng.shutdown()
+
+
+def test_batched_equals_one_at_a_time(engine):
+    eng, _ = engine
+    params = [SamplingParams(max_new_tokens=n, **GREEDY) for n in (20, 9, 15, 30, 3)]
+    params.append(SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=20, seed=7))
+    prompts = PROMPTS + [[8, 6, 4]]
+    alone = [eng.generate(p, sp)[0] for p, sp in zip(prompts, params)]
+    handles = [eng.submit(p, sp) for p, sp in zip(prompts, params)]  # 6 requests, 4 slots: two wait
+    together = [h.result(timeout=60)[0] for h in handles]
+    assert together == alone
+    assert eng.stats()["free_slots"] == 4
+
+
+def test_seeded_sampling_is_reproducible_and_varies(engine):
+    eng, _ = engine
+    runs = [eng.generate([5, 6, 7], SamplingParams(max_new_tokens=16, temperature=1.5, seed=s))[0] for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_cancel_frees_the_slot():
+    eng, _ = make_engine(max_slots=1, max_seq_len=256)
+    try:
+        h = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=250, **GREEDY))
+        first = next(iter(h))
+        assert first.finish_reason is None
+        waiting = eng.submit([4, 5], SamplingParams(max_new_tokens=4, **GREEDY))
+        h.cancel()
+        ids, _, reason = h.result(timeout=30)
+        assert reason == "cancelled" and len(ids) < 250
+        assert waiting.result(timeout=30)[2] == "length"  # got the freed slot
+        assert eng.stats()["free_slots"] == 1 and eng.stats()["running"] == 0
+    finally:
+        eng.shutdown()
+
+
+def test_cancel_while_waiting():
+    eng, _ = make_engine(max_slots=1, start=False)
+    h = eng.submit([1, 2], SamplingParams(max_new_tokens=3, **GREEDY))
+    h.cancel()
+    eng.start()
+    try:
+        assert h.result(timeout=30) == ([], "", "cancelled")
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer.from_dir(write_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def _text_engine(tok, **cfg):
+    return make_engine(tokenizer=tok, hf_kw={"vocab_size": tok.vocab_size}, max_seq_len=128, **cfg)
+
+
+def test_stop_string_and_streaming(tok):
+    eng, _ = _text_engine(tok)
+    try:
+        prompt = tok.encode("Hello world")
+        ids, full, _ = eng.generate(prompt, SamplingParams(max_new_tokens=40, **GREEDY))
+        assert len(full) >= 8, full
+        stop = full[4:7]
+        cut = full[: full.index(stop)]
+        h = eng.submit(prompt, SamplingParams(max_new_tokens=40, stop=["\x00never", stop], **GREEDY))
+        chunks = list(h)
+        assert chunks[-1].finish_reason == "stop"
+        assert "".join(c.text for c in chunks) == cut
+        assert h.result()[1] == cut
+        # streamed text equals the full decode of the same tokens when no stop applies
+        out = eng.submit(prompt, SamplingParams(max_new_tokens=40, **GREEDY))
+        assert "".join(c.text for c in out) == tok.decode(ids) == full
+    finally:
+        eng.shutdown()
+
+
+def test_stop_token_ids_and_eos(tok):
+    eng, _ = _text_engine(tok)
+    try:
+        prompt = tok.encode("The quick")
+        ids, _, _ = eng.generate(prompt, SamplingParams(max_new_tokens=20, **GREEDY))
+        stop_tok = ids[5]
+        got, text, reason = eng.generate(prompt, SamplingParams(max_new_tokens=20, stop_token_ids=[stop_tok], **GREEDY))
+        assert reason == "stop" and got == ids[: ids.index(stop_tok) + 1]
+        assert text == tok.decode(got[:-1])  # the stop token's text is not returned
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(engine, kw, field):
+    eng, _ = engine
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+        eng.submit([1, 2], SamplingParams(**kw))
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"max_slots": 0}, "max_slots"),
+        ({"max_seq_len": 1}, "max_seq_len"),
+        ({"max_seq_len": 10_000}, "max_seq_len"),  # above max_position_embeddings=256
+        ({"prefill_chunk": -1}, "prefill_chunk"),
+        ({"cuda_graphs": "yes"}, "cuda_graphs"),
+        ({"graph_batch_sizes": (1, 8)}, "graph_batch_sizes"),
+        ({"kv_len_buckets": (0,)}, "kv_len_buckets"),
+    ],
+)
+def test_bad_engine_config_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}\b"):
+        make_engine(start=False, **kw)
+
+
+def test_bad_prompts(engine):
+    eng, _ = engine
+    with pytest.raises(ValueError, match=r"\(60 tokens\) \+ max_new_tokens \(5\) = 65 exceeds max_seq_len=64"):
+        eng.submit([1] * 60, SamplingParams(max_new_tokens=5))
+    with pytest.raises(ValueError, match="empty"):
+        eng.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit([1, 97], SamplingParams())
+    with pytest.raises(ValueError, match=r"SamplingParams\.stop needs text"):
+        eng.submit([1], SamplingParams(max_new_tokens=2, stop=["x"]))
+
+
+def test_one_bad_request_does_not_kill_the_loop(engine):
+    eng, _ = engine
+    bad = {"id": None}
+    orig = eng._accept
+
+    def accept(s, tok):
+        if s.handle.id == bad["id"]:
+            raise KeyError("boom")
+        orig(s, tok)
+
+    eng._accept = accept
+    good = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=10, **GREEDY))
+    h = eng.submit([4, 5, 6], SamplingParams(max_new_tokens=10, **GREEDY))
+    bad["id"] = h.id
+    assert h.result(timeout=30)[2] == "error" and isinstance(h.error, KeyError)
+    assert good.result(timeout=30)[2] == "length"
+    assert eng.alive()
+    assert eng.generate([7], SamplingParams(max_new_tokens=3, **GREEDY))[2] == "length"
+
+
+def test_device_error_kills_the_loop():
+    eng, _ = make_engine()
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    eng.model.decode = broken
+    try:
+        h = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=5, **GREEDY))
+        assert h.result(timeout=30)[2] == "error"
+        assert not eng.alive() and "illegal memory access" in str(eng.error)
+        with pytest.raises(RuntimeError, match="engine loop is dead"):
+            eng.submit([1], SamplingParams())
+    finally:
+        eng.shutdown()
+
+
+def test_async_iteration_from_another_loop(engine):
+    eng, _ = engine
+
+    async def consume():
+        h = eng.submit([3, 4, 5], SamplingParams(max_new_tokens=8, **GREEDY))
+        chunks = [c async for c in h]
+        return h, chunks
+
+    h, chunks = asyncio.run(consume())
+    assert chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == h.result()[0]
+    assert threading.current_thread() is threading.main_thread()
+    assert h.ttft_s is not None and h.ttft_s >= 0 and h.decode_tokens_per_s > 0
+
+
+def test_async_consumer_cancelled_cancels_request():
+    eng, _ = make_engine(max_slots=1, max_seq_len=256)
+
+    async def consume():
+        h = eng.submit([3, 4, 5], SamplingParams(max_new_tokens=250, **GREEDY))
+        task = asyncio.ensure_future(h.__anext__())
+        await task
+        task = asyncio.ensure_future(h.__anext__())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return h
+
+    try:
+        h = asyncio.run(consume())
+        assert h.result(timeout=30)[2] in ("cancelled", "length")
+        assert h.cancelled
+    finally:
+        eng.shutdown()
+
+
+def test_stats_and_shutdown(engine):
+    eng, _ = engine
+    eng.generate([1, 2, 3], SamplingParams(max_new_tokens=5, **GREEDY))
+    s = eng.stats()
+    assert s["tokens_generated"] >= 5 and s["steps"] >= 4 and s["prompt_tokens"] >= 3
+    assert (s["running"], s["waiting"], s["free_slots"]) == (0, 0, 4)
+
+
+def test_fallback_engine_matches_transformers():
+    hf, cfg = hf_model("gpt2", vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    model = build_model(cfg, state_tensors(hf))
+    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
+    eng.start()
+    try:
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=10, **GREEDY)) for p in PROMPTS[:2]]
+        for p, h in zip(PROMPTS[:2], hs):
+            assert h.result(timeout=30)[0] == hf_greedy(hf, p, 10)
+    finally:
+        eng.shutdown()
+
+
+def test_kv_cache_too_large_message():
+    cfg = EngineConfig(max_slots=64, max_seq_len=8192).resolved(8192)
+    with pytest.raises(ValueError, match=r"needs 64\.00 GiB.*only 10\.00 GiB of 80\.00 GiB.*lower EngineConfig\.max_slots"):
+        _check_fits(64 << 30, cfg, 10 << 30, 80 << 30, "cuda:0")
+
+
+def test_default_buckets():
+    cfg = EngineConfig(max_slots=12, max_seq_len=4096).resolved(8192)
+    assert cfg.graph_batch_sizes == (1, 2, 4, 8, 12)
+    assert cfg.kv_len_buckets == (512, 2048, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_equals_eager():
+    hf, config = hf_model("llama", num_hidden_layers=3)
+    tensors = {k: v.to("cuda") for k, v in state_tensors(hf).items()}
+    outs = []
+    for graphs in (False, True):
+        model = build_model(config, tensors)
+        eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, cuda_graphs=graphs, kv_len_buckets=(32,)))
+        eng.start()
+        try:
+            assert eng.stats()["graphs"] == (6 if graphs else 0)  # batch (1, 2, 4) x kv length (32, 128)
+            hs = [eng.submit(p, SamplingParams(max_new_tokens=40, **GREEDY)) for p in PROMPTS]
+            outs.append([h.result(timeout=60)[0] for h in hs])
+        finally:
+            eng.shutdown()
+    assert outs[0] == outs[1]
+    assert outs[0][0] == hf_greedy(hf, PROMPTS[0], 40)
