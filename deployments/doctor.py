@@ -1,0 +1,764 @@
+"""`coldstart doctor`: check that this machine can start a replica fast, and say why not.
+
+The article's layer 1 ("lock the environment, check the driver at start-up") and
+its troubleshooting table as one command. Each check returns a ``Check`` with a
+status (ok / warn / fail / skip), what it saw, and what to do about it::
+
+    coldstart doctor                       # table on stdout
+    coldstart doctor --model /models/llama-7b --read-gib 4
+    coldstart doctor --json                # machine output
+    python -m deployments.doctor --require-gpu
+
+Exit code 0 when no check failed, 1 otherwise. Without a GPU the GPU checks say
+``skip`` (``fail`` with ``--require-gpu``). torch is imported inside the checks
+that need it, so ``--help`` is instant. The checks run in an order that matters:
+the page-cache probe before the read test (which fills the cache), and the
+CUDA-context timing before anything else touches the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import mmap
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+# Same name as weights.format.WEIGHTS_FILE (a test keeps them equal); not imported
+# so that the doctor works, and starts instantly, even where weights/ is broken.
+WEIGHTS_FILE = "model.cst"
+DEFAULT_MODEL_DIR = "weights/demo"
+PROC_DRIVER_VERSION = "/proc/driver/nvidia/version"
+STATUSES = ("ok", "warn", "fail", "skip")
+CONTEXT_WARN_S = 2.0
+READ_WARN_GBPS = 1.0  # a 13.5 GB 7B model then takes > 13 s just to read
+PINNED_WARN_GBPS = 10.0  # PCIe 3.0 x16 gives ~12; 4.0 ~25; an H200 SXM measured 53
+GIB = 1 << 30
+
+# Minimum Linux x86_64 driver for each CUDA toolkit, from NVIDIA's CUDA Toolkit
+# Release Notes, table "CUDA Toolkit and Corresponding Driver Versions"
+# (https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/index.html), and the
+# minor-version-compatibility floor per major release from "CUDA Minor Version
+# Compatibility" (https://docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html):
+# below the toolkit's own driver but at or above the floor, a CUDA 11+/12+/13+
+# program still runs, with a limited feature set (no PTX JIT of newer PTX).
+TOOLKIT_MIN_DRIVER: dict[str, str] = {
+    "11.8": "520.61.05",
+    "12.0": "525.60.13",
+    "12.1": "530.30.02",
+    "12.2": "535.54.03",
+    "12.3": "545.23.06",
+    "12.4": "550.54.14",
+    "12.5": "555.42.02",
+    "12.6": "560.28.03",
+    "12.8": "570.26",
+    "12.9": "575.51.03",
+    "13.0": "580.65.06",
+}
+MINOR_COMPAT_MIN_DRIVER: dict[int, str] = {11: "450.80.02", 12: "525.60.13", 13: "580"}
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    check: str
+    status: str  # one of STATUSES
+    detail: str
+    action: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"Check.status: expected one of {STATUSES}, got {self.status!r}")
+
+
+@dataclass
+class DoctorOptions:
+    """What `doctor` was asked to do (the command line, validated)."""
+
+    model: Path = Path(DEFAULT_MODEL_DIR)
+    model_given: bool = False  # a missing default dir is a skip, a missing given one a fail
+    read_gib: float = 1.0
+    threads: int = 8
+    drop_cache: bool = False
+    require_gpu: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.read_gib > 0:
+            raise ValueError(f"--read-gib: expected a number of GiB > 0, got {self.read_gib}")
+        if not 1 <= self.threads <= 256:
+            raise ValueError(f"--threads: expected 1..256, got {self.threads}")
+
+
+def _vtuple(version: str) -> tuple[int, ...]:
+    """'570.86.15' -> (570, 86, 15); compare driver versions as tuples of ints."""
+    return tuple(int(p) for p in re.findall(r"\d+", version))
+
+
+# ---------------------------------------------------------------- driver
+@dataclass
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    memory_mib: int | None
+
+
+def parse_nvidia_smi(text: str) -> tuple[str | None, list[GpuInfo]]:
+    """Parse `nvidia-smi --query-gpu=index,uuid,driver_version,name,memory.total
+    --format=csv,noheader,nounits` output: (driver version, GPUs)."""
+    driver, gpus = None, []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 5:
+            continue
+        index, uuid, drv, name, mem = parts[:5]
+        driver = driver or drv
+        gpus.append(GpuInfo(int(index), name, uuid, int(mem) if mem.isdigit() else None))
+    return driver, gpus
+
+
+def parse_proc_driver_version(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version's NVRM line (proprietary or open module)."""
+    m = re.search(r"NVRM version:.*?Kernel Module\S*(?:\s+for\s+\S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    return m.group(1) if m else None
+
+
+def probe_driver() -> tuple[str | None, list[GpuInfo], str]:
+    """(driver version, GPUs nvidia-smi lists, where the version came from)."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = "index,uuid,driver_version,name,memory.total"
+        try:
+            out = subprocess.run(
+                [smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout
+            driver, gpus = parse_nvidia_smi(out)
+            if driver:
+                return driver, gpus, "nvidia-smi"
+        except (subprocess.SubprocessError, OSError, ValueError):
+            pass  # fall through to /proc, which needs no working NVML
+    try:
+        text = Path(PROC_DRIVER_VERSION).read_text()
+    except OSError:
+        return None, [], "none"
+    return parse_proc_driver_version(text), [], PROC_DRIVER_VERSION
+
+
+def driver_verdict(driver: str, cuda: str) -> tuple[str, str, str]:
+    """(status, detail, action) for an installed driver against torch's CUDA version."""
+    key = ".".join(cuda.split(".")[:2])
+    major = int(key.split(".")[0])
+    floor = MINOR_COMPAT_MIN_DRIVER.get(major)
+    known = [k for k in TOOLKIT_MIN_DRIVER if _vtuple(k) <= _vtuple(key) and _vtuple(k)[0] == major]
+    full = TOOLKIT_MIN_DRIVER[max(known, key=_vtuple)] if known else None
+    if floor is None:
+        return ("warn", f"driver {driver}; no minimum known for CUDA {cuda}",
+                "check NVIDIA's CUDA release notes for the driver this CUDA needs")
+    if _vtuple(driver) < _vtuple(floor):
+        return ("fail", f"driver {driver} is older than {floor}, the least any CUDA {major}.x "
+                f"build (torch is built for CUDA {cuda}) runs on: CUDA will not initialise",
+                f"install driver >= {full or floor}, or a torch wheel built for an older CUDA")
+    if full and _vtuple(driver) < _vtuple(full):
+        return ("warn", f"driver {driver} runs CUDA {cuda} only through minor-version "
+                f"compatibility (CUDA {key} ships with {full})",
+                f"upgrade the driver to >= {full} for the full feature set")
+    return "ok", f"driver {driver} >= {full or floor} needed by torch's CUDA {cuda}", ""
+
+
+def check_driver(opts: DoctorOptions, torch_cuda: str | None,
+                 probed: tuple[str | None, list[GpuInfo], str]) -> Check:
+    driver, gpus, source = probed
+    data = {"driver": driver, "source": source, "gpus": [asdict(g) for g in gpus]}
+    if driver is None:
+        return _no_gpu("nvidia driver", opts, "no NVIDIA driver: nvidia-smi is not on PATH and "
+                       f"{PROC_DRIVER_VERSION} is absent", data)
+    listed = "; ".join(f"{g.index}: {g.name} {g.memory_mib} MiB" for g in gpus) or "GPUs not listed"
+    if torch_cuda is None:
+        return Check("nvidia driver", "warn", f"driver {driver} ({listed}), but torch is a CPU-only "
+                     "build and cannot use it", "install a CUDA build of torch", data)
+    status, detail, action = driver_verdict(driver, torch_cuda)
+    return Check("nvidia driver", status, f"{detail} ({listed}; from {source})", action, data)
+
+
+def _no_gpu(name: str, opts: DoctorOptions, why: str, data: dict | None = None) -> Check:
+    if opts.require_gpu:
+        return Check(name, "fail", f"--require-gpu: {why}",
+                     "run on a GPU node; in a container pass --gpus all (Docker) or request "
+                     "nvidia.com/gpu (Kubernetes)", data or {})
+    return Check(name, "skip", f"{why}; not checked", "", data or {})
+
+
+# ---------------------------------------------------------------- torch build / runtime
+def check_torch_build(opts: DoctorOptions) -> tuple[Check, Any]:
+    """torch's version and CUDA build. Returns (check, the torch module or None)."""
+    t0 = time.perf_counter()
+    try:
+        import torch
+    except ImportError as e:
+        return Check("torch build", "fail", f"cannot import torch: {e}",
+                     "pip install the project (it pins torch)"), None
+    import_s = time.perf_counter() - t0
+    data = {"torch": torch.__version__, "cuda": torch.version.cuda, "import_s": round(import_s, 2)}
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU-only build"
+        if opts.require_gpu:
+            return Check("torch build", "fail", f"--require-gpu: {why}",
+                         "install a CUDA build (the default torch wheel from PyPI on Linux)", data), torch
+        return Check("torch build", "skip", f"{why}; GPU checks skipped "
+                     f"(import took {import_s:.1f} s)", "", data), torch
+    return Check("torch build", "ok", f"torch {torch.__version__} built for CUDA {torch.version.cuda}"
+                 f" (import took {import_s:.1f} s)", "", data), torch
+
+
+def _loaded_libraries(pattern: str) -> list[str]:
+    """Paths of shared objects mapped into this process whose name matches `pattern`."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps.splitlines()
+                   if "/" in line and re.search(pattern, line.rsplit("/", 1)[-1])})
+
+
+def _runtime_wheel_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12",
+                 "nvidia-cuda-runtime-cu11"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def driver_cuda_version() -> int | None:
+    """cuDriverGetVersion() from libcuda (e.g. 13000): the newest CUDA the driver speaks.
+    Needs no context, so it does not disturb the context timing."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    v = ctypes.c_int(0)
+    return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else None
+
+
+def check_cuda_runtime(opts: DoctorOptions, torch: Any) -> Check:
+    """The CUDA runtime torch loaded, against the one it was built for and the driver's."""
+    name = "cuda runtime"
+    if torch is None or torch.version.cuda is None:
+        return _no_gpu(name, opts, "no CUDA build of torch")
+    built = torch.version.cuda
+    wheel = _runtime_wheel_version()
+    cudart = _loaded_libraries(r"^libcudart\.so")
+    drv = driver_cuda_version()
+    data = {"built_for": built, "runtime_wheel": wheel, "libcudart": cudart, "driver_cuda": drv}
+    problems, actions = [], []
+    if wheel and wheel.split(".")[:2] != built.split(".")[:2]:
+        problems.append(f"runtime wheel {wheel} differs from torch's CUDA {built}")
+        actions.append("reinstall torch so pip brings the runtime it pins")
+    foreign = [p for p in cudart if "site-packages" not in p and "dist-packages" not in p]
+    if foreign:
+        problems.append(f"libcudart loaded from outside the wheels: {', '.join(foreign)}")
+        actions.append("unset LD_LIBRARY_PATH entries pointing at a system CUDA toolkit")
+    if drv is None:
+        return _no_gpu(name, opts, f"torch built for CUDA {built}, runtime wheel {wheel}; "
+                       "libcuda.so.1 (the driver) not found", data)
+    drv_s = f"{drv // 1000}.{drv % 1000 // 10}"
+    if _vtuple(drv_s)[0] < _vtuple(built)[0]:
+        problems.append(f"the driver speaks CUDA {drv_s}, older than torch's major version {built}")
+        actions.append("upgrade the driver (see the nvidia driver check)")
+    detail = (f"torch built for CUDA {built}; runtime {wheel or 'not from a wheel'}; "
+              f"driver speaks CUDA {drv_s}; libcudart: {', '.join(cudart) or 'not loaded yet'}")
+    if problems:
+        status = "fail" if any("older than torch's major" in p for p in problems) else "warn"
+        return Check(name, status, "; ".join(problems) + f" ({detail})", "; ".join(actions), data)
+    return Check(name, "ok", detail, "", data)
+
+
+# ---------------------------------------------------------------- which GPU
+def visibility_verdict(env: Mapping[str, str], listed: Sequence[GpuInfo],
+                       torch_count: int | None) -> tuple[str, str, str]:
+    """Explain which GPUs this process sees and why. Pure: env + what was probed.
+
+    The trap: inside a container GPUs are numbered from 0. In Kubernetes the
+    device plugin puts the *host's* index (or UUID) of the granted GPU in
+    NVIDIA_VISIBLE_DEVICES, e.g. "3"; in the container that GPU is cuda:0.
+    Feeding the host index to torch.cuda.set_device or CUDA_VISIBLE_DEVICES
+    picks a GPU that does not exist there ("invalid device ordinal", or no GPU).
+    Ray sets CUDA_VISIBLE_DEVICES per replica in the numbering the raylet sees,
+    so a replica always uses cuda:0.
+    """
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    nvd = env.get("NVIDIA_VISIBLE_DEVICES")
+    in_k8s = "KUBERNETES_SERVICE_HOST" in env
+    parts = [f"CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else "CUDA_VISIBLE_DEVICES unset",
+             f"NVIDIA_VISIBLE_DEVICES={nvd!r}" if nvd is not None else "NVIDIA_VISIBLE_DEVICES unset"]
+    if in_k8s:
+        parts.append("in Kubernetes")
+    if listed:
+        parts.append(f"nvidia-smi lists {len(listed)} GPU(s) (container numbering 0..{len(listed) - 1})")
+    if torch_count is not None:
+        parts.append(f"torch sees {torch_count}")
+    seen = "; ".join(parts)
+    if cvd is not None:
+        entries = [e.strip() for e in cvd.split(",") if e.strip()]
+        if not entries or entries[0] in ("-1", "NoDevFiles"):
+            if listed:
+                return ("warn", f"CUDA_VISIBLE_DEVICES hides every GPU ({seen})",
+                        "unset CUDA_VISIBLE_DEVICES, or give the replica num_gpus so Ray sets it")
+        elif listed and all(e.isdigit() for e in entries):
+            bad = [e for e in entries if int(e) >= len(listed)]
+            if bad:
+                return ("fail", f"CUDA_VISIBLE_DEVICES names GPU {','.join(bad)} but only indices "
+                        f"0..{len(listed) - 1} exist here: that is the host's numbering; inside a "
+                        f"container GPUs are numbered from 0 ({seen})",
+                        "do not copy host indices (or NVIDIA_VISIBLE_DEVICES) into "
+                        "CUDA_VISIBLE_DEVICES; unset it and use cuda:0")
+    if in_k8s and nvd == "all":
+        return ("warn", f"NVIDIA_VISIBLE_DEVICES=all in Kubernetes: unless the device plugin "
+                f"replaced it, this pod sees every GPU of the node ({seen})",
+                "request nvidia.com/gpu in the pod's limits; set NVIDIA_VISIBLE_DEVICES=void on "
+                "pods that need none")
+    if in_k8s and nvd and nvd not in ("all", "none", "void"):
+        note = (f"the device plugin granted host GPU {nvd}; inside this container it is cuda:0 "
+                "(never pass the host index to torch.cuda.set_device)")
+        return "ok", f"{note} ({seen})", ""
+    if torch_count == 0 and listed:
+        return ("fail", f"the driver lists GPUs but torch sees none ({seen})",
+                "check CUDA_VISIBLE_DEVICES and that the torch build matches the driver")
+    return "ok", seen, ""
+
+
+def check_visible_gpu(opts: DoctorOptions, torch: Any, listed: list[GpuInfo]) -> Check:
+    name = "visible gpu"
+    count = None
+    if torch is not None and torch.version.cuda is not None:
+        count = torch.cuda.device_count()  # NVML-based; creates no context
+    status, detail, action = visibility_verdict(os.environ, listed, count)
+    data = {"torch_device_count": count, "listed": len(listed),
+            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "NVIDIA_VISIBLE_DEVICES": os.environ.get("NVIDIA_VISIBLE_DEVICES")}
+    if not listed and not count:
+        return _no_gpu(name, opts, f"no GPU visible ({detail})", data)
+    return Check(name, status, detail, action, data)
+
+
+# ---------------------------------------------------------------- CUDA context
+def check_cuda_context(opts: DoctorOptions, torch: Any) -> Check:
+    """Time the first CUDA context in this process: torch.cuda.init() plus the first
+    allocation (the runtime creates the primary context lazily, at first use)."""
+    name = "cuda context"
+    if torch is None or torch.version.cuda is None:
+        return _no_gpu(name, opts, "no CUDA build of torch")
+    t0 = time.perf_counter()  # before anything calls cuInit (device_count would)
+    try:
+        torch.cuda.init()
+    except (RuntimeError, AssertionError) as e:
+        return _no_gpu(name, opts, f"no usable CUDA device ({e})")
+    init_s = time.perf_counter() - t0
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - t0
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    uuid = str(getattr(props, "uuid", "?"))
+    loading = os.environ.get("CUDA_MODULE_LOADING", "unset (torch sets LAZY)")
+    data = {"init_s": round(init_s, 3), "context_s": round(total_s, 3), "device": dev,
+            "name": props.name, "uuid": uuid, "CUDA_MODULE_LOADING": loading}
+    detail = (f"{total_s:.2f} s (torch.cuda.init {init_s:.2f} s) on cuda:{dev} = {props.name} "
+              f"GPU-{uuid.removeprefix('GPU-')}; CUDA_MODULE_LOADING {loading}")
+    if total_s > CONTEXT_WARN_S:
+        return Check(name, "warn", detail, "export CUDA_MODULE_LOADING=LAZY (EAGER loads every "
+                     "kernel of every library up front); enable persistence mode "
+                     "(nvidia-smi -pm 1) so the driver stays loaded between processes", data)
+    return Check(name, "ok", detail, "", data)
+
+
+def check_gpu_memory(opts: DoctorOptions, torch: Any) -> Check:
+    name = "gpu memory"
+    if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
+        return _no_gpu(name, opts, "no usable CUDA device")
+    free, total = torch.cuda.mem_get_info()
+    data = {"free_bytes": free, "total_bytes": total}
+    detail = f"{free / 1e9:.1f} of {total / 1e9:.1f} GB free on cuda:{torch.cuda.current_device()}"
+    if free < 0.9 * total:
+        return Check(name, "warn", detail + " (something else holds memory on this GPU)",
+                     "nvidia-smi --query-compute-apps=pid,used_memory --format=csv shows who", data)
+    return Check(name, "ok", detail, "", data)
+
+
+# ---------------------------------------------------------------- env vars
+def env_verdict(env: Mapping[str, str]) -> tuple[str, str, str]:
+    """Judge the environment variables that change start-up time and memory behaviour."""
+    notes, warns, actions = [], [], []
+    loading = env.get("CUDA_MODULE_LOADING")
+    notes.append(f"CUDA_MODULE_LOADING={loading or 'unset (torch defaults to LAZY)'}")
+    if loading and loading.upper() != "LAZY":
+        warns.append(f"CUDA_MODULE_LOADING={loading} loads every kernel at context creation "
+                     "(measured 2.6-3.7 s vs 0.3-0.4 s LAZY on an H200)")
+        actions.append("export CUDA_MODULE_LOADING=LAZY")
+    old, new = env.get("PYTORCH_CUDA_ALLOC_CONF"), env.get("PYTORCH_ALLOC_CONF")
+    conf = new or old
+    notes.append(f"allocator conf {conf!r}" if conf else "allocator conf unset")
+    if old and new and old != new:
+        warns.append(f"PYTORCH_ALLOC_CONF={new!r} and PYTORCH_CUDA_ALLOC_CONF={old!r} disagree "
+                     "(torch reads the new name first)")
+        actions.append("set only one of them")
+    if conf and "max_split_size_mb" in conf and "expandable_segments:True" not in conf:
+        warns.append("max_split_size_mb without expandable_segments: fragmentation is better "
+                     "fixed by expandable segments than by capping block splits")
+        actions.append("use expandable_segments:True")
+    if env.get("CUDA_LAUNCH_BLOCKING") == "1":
+        warns.append("CUDA_LAUNCH_BLOCKING=1 serialises every kernel (a debugging setting)")
+        actions.append("unset CUDA_LAUNCH_BLOCKING")
+    cuda_paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if "cuda" in p.lower()]
+    if cuda_paths:
+        warns.append(f"LD_LIBRARY_PATH has CUDA directories {cuda_paths}: a system toolkit can "
+                     "shadow the libraries torch's wheels bring")
+        actions.append("drop them from LD_LIBRARY_PATH")
+    if warns:
+        return "warn", "; ".join(warns) + " (" + "; ".join(notes) + ")", "; ".join(actions)
+    return "ok", "; ".join(notes), ""
+
+
+def check_env() -> Check:
+    status, detail, action = env_verdict(os.environ)
+    keys = ("CUDA_MODULE_LOADING", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+            "CUDA_LAUNCH_BLOCKING", "LD_LIBRARY_PATH")
+    return Check("env vars", status, detail, action, {k: os.environ.get(k) for k in keys})
+
+
+# ---------------------------------------------------------------- weights files
+def model_files(model: Path) -> list[Path]:
+    """The packed file if there is one, else every regular file under `model` (a file is itself)."""
+    if model.is_file():
+        return [model]
+    packed = model / WEIGHTS_FILE
+    if packed.is_file():
+        return [packed]
+    return sorted(p for p in model.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return None
+        lib = ctypes.CDLL(name, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_int, ctypes.c_long]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+        _libc = lib
+    return _libc
+
+
+# translate table: each mincore byte -> its residency bit (the other bits are reserved)
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def resident_bytes(path: Path, offset: int = 0, length: int | None = None) -> int | None:
+    """How many bytes of `path[offset:offset+length]` are in the page cache, via
+    mincore(2) on a fresh read-only mapping (mapping does not fault pages in).
+    None where mincore or mmap is not available (non-Linux, some sandboxes)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = _load_libc()
+    if libc is None:
+        return None
+    size = path.stat().st_size
+    length = size - offset if length is None else min(length, size - offset)
+    if length <= 0:
+        return 0
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    span = offset + length - start
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            npages = (span + page - 1) // page
+            vec = (ctypes.c_ubyte * npages)()
+            if libc.mincore(ctypes.c_void_p(addr), span, vec) != 0:
+                return None
+            resident = bytes(vec).translate(_LOW_BIT).count(1)
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), span)
+    finally:
+        os.close(fd)
+    return min(resident * page, length)
+
+
+def page_cache_fraction(paths: Sequence[Path], limit: int | None = None) -> float | None:
+    """Fraction of the first `limit` bytes of `paths` (all of them if None) that is in
+    the page cache; None when unknown (mincore unavailable) or there is nothing to read."""
+    total = resident = 0
+    for p in paths:
+        size = p.stat().st_size
+        n = size if limit is None else max(0, min(size, limit - total))
+        if n == 0:
+            continue
+        r = resident_bytes(p, 0, n)
+        if r is None:
+            return None
+        total, resident = total + n, resident + r
+    return resident / total if total else None
+
+
+def check_page_cache(opts: DoctorOptions, files: list[Path]) -> Check:
+    name = "page cache"
+    if not files:
+        return Check(name, "skip", f"no files under {opts.model}")
+    size = sum(p.stat().st_size for p in files)
+    frac = page_cache_fraction(files)
+    data = {"fraction": frac, "bytes": size, "files": [str(p) for p in files]}
+    if frac is None:
+        return Check(name, "skip", "unknown: mincore(2) is not available here", "", data)
+    detail = (f"{frac:.0%} of {_names(files)} ({frac * size / 1e9:.2f} of {size / 1e9:.2f} GB) is in "
+              "the page cache")
+    action = ("" if frac > 0.9 else "a replica started now reads the rest from disk; pre-warm with "
+              "`cat model.cst > /dev/null` or vmtouch -t after syncing the weights")
+    return Check(name, "ok", detail, action, data)
+
+
+def _names(files: Sequence[Path]) -> str:
+    return files[0].name if len(files) == 1 else f"{len(files)} files"
+
+
+def read_files(paths: Sequence[Path], limit: int, threads: int = 8,
+               chunk: int = 16 << 20) -> tuple[int, float]:
+    """Read the first `limit` bytes of `paths` with `threads` threads, os.preadv into one
+    reused `chunk`-sized buffer per thread (never a whole-file buffer). (bytes, seconds)."""
+    jobs: list[tuple[Path, int, int]] = []  # (file, offset, length)
+    left = limit
+    for p in paths:
+        size = min(p.stat().st_size, left)
+        jobs += [(p, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+        left -= size
+        if left <= 0:
+            break
+    fds = {p: os.open(p, os.O_RDONLY) for p in {j[0] for j in jobs}}
+    # one buffer per thread, allocated and touched (bytearray zero-fills) before the
+    # clock starts, so page faults on fresh anonymous memory are not timed as I/O
+    free = queue.SimpleQueue()
+    for _ in range(min(threads, max(1, len(jobs)))):
+        free.put(bytearray(chunk))
+
+    def work(job: tuple[Path, int, int]) -> int:
+        p, off, n = job
+        buf = free.get()
+        try:
+            done = 0
+            while done < n:  # preadv may return short
+                got = os.preadv(fds[p], [memoryview(buf)[: n - done]], off + done)
+                if got == 0:
+                    raise OSError(f"{p}: unexpected end of file at byte {off + done}")
+                done += got
+            return done
+        finally:
+            free.put(buf)
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            n = sum(pool.map(work, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return n, time.perf_counter() - t0
+
+
+def drop_page_cache(files: Sequence[Path]) -> None:
+    """Evict `files`' clean pages (POSIX_FADV_DONTNEED): needs no root, unlike drop_caches."""
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def check_read_speed(opts: DoctorOptions, files: list[Path]) -> Check:
+    name = "read speed"
+    if not files:
+        return Check(name, "skip", f"no files under {opts.model}")
+    limit = int(opts.read_gib * GIB)
+    before = page_cache_fraction(files, limit)
+    n, secs = read_files(files, limit, opts.threads)
+    gbps = n / secs / 1e9 if secs > 0 else float("inf")
+    source = ("unknown source (mincore unavailable)" if before is None else
+              "page cache" if before >= 0.9 else "disk" if before <= 0.1 else
+              f"mixed ({before:.0%} page cache)")
+    data = {"bytes": n, "seconds": round(secs, 4), "gbps": round(gbps, 3), "threads": opts.threads,
+            "cached_fraction_before": before, "source": source}
+    detail = (f"{n / 1e9:.2f} GB of {_names(files)} in {secs:.2f} s with {opts.threads} threads: "
+              f"{gbps:.2f} GB/s from {source}")
+    if n < 256 << 20:
+        detail += " (under 256 MB: too little for a stable figure)"
+    if gbps < READ_WARN_GBPS and n >= 256 << 20:
+        if source == "page cache":
+            return Check(name, "warn", detail, "page-cache reads are bound by CPU and memory: give "
+                         "the replica more CPUs or raise --threads", data)
+        return Check(name, "warn", detail, "put the weights on local NVMe, not network storage; "
+                     "check that nothing else saturates the disk (iostat -x 1)", data)
+    return Check(name, "ok", detail, "" if source != "page cache" else
+                 "page-cache speed; --drop-cache measures the disk (evicts this file's pages)", data)
+
+
+# ---------------------------------------------------------------- host -> device
+def check_pinned_h2d(opts: DoctorOptions, torch: Any, nbytes: int = 256 << 20) -> Check:
+    name = "pinned h2d"
+    if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
+        return _no_gpu(name, opts, "no usable CUDA device")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)  # first copy pays for mapping; not timed
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 5
+    start.record()
+    for _ in range(reps):
+        dev.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    secs = start.elapsed_time(end) / 1e3
+    gbps = reps * nbytes / secs / 1e9
+    del host, dev
+    torch.cuda.empty_cache()
+    data = {"gbps": round(gbps, 2), "bytes": nbytes, "reps": reps}
+    detail = f"{gbps:.1f} GB/s pinned host->device ({reps} x {nbytes >> 20} MiB)"
+    if gbps < PINNED_WARN_GBPS:
+        return Check(name, "warn", detail, "check the PCIe link (nvidia-smi -q -d PCI: generation "
+                     "and width) and that the process runs on the GPU's NUMA node", data)
+    return Check(name, "ok", detail, "", data)
+
+
+# ---------------------------------------------------------------- run + report
+def run_checks(opts: DoctorOptions) -> list[Check]:
+    results: list[Check] = []
+
+    def guarded(name: str, fn: Callable[[], Check]) -> None:
+        try:
+            results.append(fn())
+        except Exception as e:  # a broken probe is a finding, not a crash of the doctor
+            results.append(Check(name, "fail", f"{type(e).__name__}: {e}", "report this output"))
+
+    build, torch = check_torch_build(opts)
+    results.append(build)
+    torch_cuda = torch.version.cuda if torch is not None else None
+    probed = probe_driver()
+    guarded("nvidia driver", lambda: check_driver(opts, torch_cuda, probed))
+    guarded("cuda runtime", lambda: check_cuda_runtime(opts, torch))
+    # first GPU touch in this process: before visible gpu, whose device_count() runs cuInit
+    guarded("cuda context", lambda: check_cuda_context(opts, torch))
+    guarded("visible gpu", lambda: check_visible_gpu(opts, torch, probed[1]))
+    guarded("gpu memory", lambda: check_gpu_memory(opts, torch))
+    guarded("env vars", check_env)
+    if opts.model.exists():
+        files = model_files(opts.model)
+        if opts.drop_cache:  # before both rows, so they describe the same state
+            drop_page_cache(files)
+        guarded("page cache", lambda: check_page_cache(opts, files))  # before the read fills it
+        guarded("read speed", lambda: check_read_speed(opts, files))
+    else:
+        status = "fail" if opts.model_given else "skip"
+        why = f"{opts.model} does not exist"
+        action = "pass --model DIR (a packed model directory)" if status == "fail" else \
+            "pass --model DIR to test a packed model's disk"
+        results += [Check("page cache", status, why, action), Check("read speed", status, why, action)]
+    guarded("pinned h2d", lambda: check_pinned_h2d(opts, torch))
+    return results
+
+
+def render_table(checks: Sequence[Check], width: int = 120) -> str:
+    """A plain-text table: check / status / detail / what to do, long cells wrapped."""
+    w_check = max(len("check"), *(len(c.check) for c in checks))
+    w_status = len("status")
+    rest = max(40, width - w_check - w_status - 6)
+    w_detail, w_action = rest * 3 // 5, rest - rest * 3 // 5
+    header = ("check", "status", "detail", "what to do")
+    lines = [f"{header[0]:<{w_check}}  {header[1]:<{w_status}}  {header[2]:<{w_detail}}  {header[3]}",
+             f"{'-' * w_check}  {'-' * w_status}  {'-' * w_detail}  {'-' * min(w_action, 30)}"]
+    for c in checks:
+        detail = textwrap.wrap(c.detail, w_detail, break_long_words=True) or [""]
+        action = textwrap.wrap(c.action, w_action, break_long_words=True) or [""]
+        for i in range(max(len(detail), len(action))):
+            d = detail[i] if i < len(detail) else ""
+            a = action[i] if i < len(action) else ""
+            first = i == 0
+            lines.append(f"{c.check if first else '':<{w_check}}  {c.status if first else '':<{w_status}}"
+                         f"  {d:<{w_detail}}  {a}".rstrip())
+    return "\n".join(lines)
+
+
+def summarize(checks: Sequence[Check]) -> dict[str, int]:
+    return {s: sum(c.status == s for c in checks) for s in STATUSES}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="coldstart doctor",
+        description="Check driver, CUDA, GPU visibility, context time, env vars, weight-read "
+                    "speed, page cache and host->device bandwidth for a fast replica start.",
+        epilog="Exit code 0 when no check failed, 1 otherwise.")
+    p.add_argument("--model", type=Path, default=None,
+                   help=f"packed model directory (or any file/dir) to test (default {DEFAULT_MODEL_DIR})")
+    p.add_argument("--read-gib", type=float, default=1.0,
+                   help="read at most this many GiB of the model for the read test (default 1)")
+    p.add_argument("--threads", type=int, default=8, help="reader threads (default 8)")
+    p.add_argument("--drop-cache", action="store_true",
+                   help="evict the model's clean pages first so the read test measures the disk")
+    p.add_argument("--require-gpu", action="store_true",
+                   help="fail, rather than skip, the GPU checks when no GPU is usable")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        opts = DoctorOptions(model=args.model or Path(DEFAULT_MODEL_DIR),
+                             model_given=args.model is not None, read_gib=args.read_gib,
+                             threads=args.threads, drop_cache=args.drop_cache,
+                             require_gpu=args.require_gpu)
+    except ValueError as e:
+        print(f"coldstart doctor: {e}", file=sys.stderr)
+        return 2
+    checks = run_checks(opts)
+    counts = summarize(checks)
+    failed = counts["fail"] > 0
+    if args.json:
+        print(json.dumps({"ok": not failed, "summary": counts,
+                          "checks": [asdict(c) for c in checks]}, indent=2, default=str))
+    else:
+        width = shutil.get_terminal_size((120, 24)).columns
+        print(render_table(checks, width))
+        print("\n" + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
