@@ -50,4 +50,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     a.model = str(a.model_path())
     WarmupPlan()  # the default plan must be valid
     return LLMDeployment.bind(model=a.model, model_name=a.model_name, device=a.device,
-                              engine=a.engine, load=a.load)
+                              engine=a.engine, load=a.load, fault_injection=a.fault_injection)

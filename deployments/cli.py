@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -74,16 +73,13 @@ def ensure_demo(dest: Path = DEMO_DIR, shape: str = "tiny") -> Path:
 
 def _cmd_serve(a: argparse.Namespace) -> int:
     ensure_demo()
-    serve = shutil.which("serve") or str(Path(sys.executable).with_name("serve"))
+    serve = str(Path(sys.executable).with_name("serve"))
+    if not Path(serve).exists():
+        serve = shutil.which("serve") or serve
     cmd = [serve, "run", a.config, *a.serve_args]
     print("+ " + " ".join(cmd), flush=True)
-    os.execv(cmd[0], cmd) if Path(cmd[0]).exists() else None
-    return subprocess.call(cmd)
-
-
-def _cmd_doctor(a: argparse.Namespace) -> int:
-    from deployments.doctor import main as doctor_main
-    return doctor_main(a.doctor_args)
+    os.execv(cmd[0], cmd)  # serve run takes over this process (and its Ctrl-C)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,14 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)
 
-    p = sub.add_parser("doctor", help="check driver, CUDA, GPU visibility, disk and copy speed",
-                       add_help=False)
-    p.add_argument("doctor_args", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=_cmd_doctor)
+    # `coldstart doctor ...` is dispatched in main() to deployments.doctor's own parser
+    sub.add_parser("doctor", help="check driver, CUDA, GPU visibility, disk and copy speed "
+                                  "(coldstart doctor --help)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:  # its own parser: argparse's REMAINDER drops leading --flags
+        from deployments.doctor import main as doctor_main
+        return doctor_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

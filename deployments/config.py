@@ -63,7 +63,7 @@ class WarmupPlan:
     """Concurrent shadow requests per round, so every decode graph bucket used in
     serving has run once before the first user arrives."""
     hold_s: float = 0.0
-    """Stay un-routable this many seconds after warm-up (for drills and tests)."""
+    """Stay un-routable this many seconds after the first warm-up (for drills and tests)."""
 
     def __post_init__(self) -> None:
         if self.requests < 0:
@@ -101,6 +101,8 @@ class DeploymentArgs:
     """EngineConfig fields: max_slots, max_seq_len, prefill_chunk, cuda_graphs, ..."""
     load: dict = field(default_factory=dict)
     """LoadOptions fields: threads, read_bytes, slots_per_thread, verify, readahead."""
+    fault_injection: bool = False
+    """Enable POST /admin/fault for drills (stops the engine loop so health checks fail)."""
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -49,11 +51,13 @@ class LLMServer:
 
     def __init__(self, model: str = "weights/demo", *, model_name: str | None = None,
                  device: str = "auto", engine: dict | None = None, load: dict | None = None,
-                 metrics: Metrics | None = None):
+                 fault_injection: bool = False, metrics: Metrics | None = None):
         t_start = time.perf_counter()
         self.args = DeploymentArgs.from_dict(
             {"model": model, "model_name": model_name, "device": device,
-             "engine": engine or {}, "load": load or {}})
+             "engine": engine or {}, "load": load or {}, "fault_injection": fault_injection})
+        # every response says which replica answered (x-coldstart-replica)
+        self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         path = self.args.model_path()
         prefetch(path)  # before torch: the disk works while Python imports
         self.metrics = metrics or Metrics()
@@ -100,19 +104,25 @@ class LLMServer:
             ("GET", "/health"): self._health,
             ("GET", "/stats"): self._stats,
         }
+        if self.args.fault_injection:
+            self._routes[("POST", "/admin/fault")] = self._fault
 
     # ---- lifecycle ---------------------------------------------------------
     def reconfigure(self, user_config: dict | None) -> None:
-        """Run the warm-up plan; the replica is warm (and healthy) only after it."""
+        """Run the warm-up plan; the replica is warm (and healthy) only after the first one.
+
+        A later call (the plan changed) re-warms while the replica keeps serving:
+        its weights and engine are loaded, and the router may still send it
+        requests while it is being updated, so it must not turn them away.
+        """
         plan = WarmupPlan.from_user_config(user_config)
-        self.warm = False
         with self.timer.phase("warmup"):
             self._warmup(plan)
-        if plan.hold_s:
+        if plan.hold_s and not self.warm:
             time.sleep(plan.hold_s)
-        self.warm = True
         self.warmups += 1
-        if self.warmups == 1:
+        if not self.warm:
+            self.warm = True
             self.timer.record("total", time.perf_counter() - self._t_start)
 
     def _warmup(self, plan: WarmupPlan) -> None:
@@ -149,27 +159,40 @@ class LLMServer:
 
     # ---- HTTP --------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
-        handler = self._routes.get((request.method, request.url.path.rstrip("/") or "/"))
+        path = request.scope["path"]
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):  # an app mounted at a route prefix
+            path = path[len(root):]
+        path = path.rstrip("/") or "/"
+        handler = self._routes.get((request.method, path))
         if handler is None:
             known = sorted({p for _, p in self._routes})
-            allowed = [m for m, p in self._routes if p == request.url.path]
+            allowed = [m for m, p in self._routes if p == path]
             if allowed:
-                return _error(f"{request.method} not allowed on {request.url.path}; use {allowed[0]}", 405)
-            return _error(f"no route {request.url.path}; routes: {', '.join(known)}", 404)
-        if not self.warm and handler not in (self._health, self._stats):
-            self.metrics.request("not_warm")
-            return _error("replica is warming up; retry shortly", 503,
-                          {"Retry-After": str(RETRY_AFTER_S)})
+                resp = _error(f"{request.method} not allowed on {path}; use {allowed[0]}", 405)
+            else:
+                resp = _error(f"no route {path}; routes: {', '.join(known)}", 404)
+            resp.headers["x-coldstart-replica"] = self.replica_id
+            return resp
         try:
-            return await handler(request)
+            if not self.warm and handler not in (self._health, self._stats):
+                self.metrics.request("not_warm")
+                raise api.BadRequest("replica is warming up; retry shortly", 503)
+            resp = await handler(request)
         except api.BadRequest as e:
             self.metrics.request("bad_request")
-            return _error(str(e), e.status)
+            resp = _error(str(e), e.status,
+                          {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None)
         except RuntimeError as e:  # one request failed inside the engine; the replica goes on
             log.error("request failed: %s", e)
-            return _error(str(e), 500)
+            resp = _error(str(e), 500)
+        resp.headers["x-coldstart-replica"] = self.replica_id
+        return resp
 
     async def _submit(self, ids: list[int], params):
+        if not self.engine.alive():  # check_health will fail and Ray will replace this replica
+            raise api.BadRequest(f"replica unavailable: engine loop is not running "
+                                 f"({self.engine.error!r}); retry", 503)
         try:
             return self.engine.submit(ids, params)
         except ValueError as e:  # prompt too long, ids outside the vocabulary, ...
@@ -195,7 +218,9 @@ class LLMServer:
         return "".join(text), ids, handle.finish_reason
 
     def _account(self, handle) -> None:
-        status = {"error": "error", "cancelled": "cancelled"}.get(handle.finish_reason or "", "ok")
+        # a client that went away has cancelled its handle; the engine may not have seen it yet
+        status = ("cancelled" if handle.cancelled and handle.finish_reason in (None, "cancelled")
+                  else "error" if handle.finish_reason == "error" else "ok")
         self.metrics.request(status)
         qw = getattr(handle, "queue_wait_s", None)
         self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, qw)
@@ -277,8 +302,18 @@ class LLMServer:
             return _error("warming up", 503, {"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({"status": "ok", "model": self.model_name})
 
+    async def _fault(self, request: Request) -> Response:
+        """Drills (args.fault_injection only): stop the engine loop, as a crashed one would be."""
+        kind = api.parse_json(await request.body()).get("kind")
+        if kind != "engine_stop":
+            raise api.BadRequest(f"field 'kind' must be 'engine_stop', got {kind!r}")
+        log.warning("fault injection: stopping the engine loop")
+        self.engine.shutdown()
+        return JSONResponse({"injected": kind, "replica": self.replica_id})
+
     async def _stats(self, request: Request) -> Response:
-        return JSONResponse({"warm": self.warm, "engine": self.engine.stats(),
+        return JSONResponse({"warm": self.warm, "replica": self.replica_id,
+                             "engine": self.engine.stats(),
                              **self.metrics.snapshot()})
 
 

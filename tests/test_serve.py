@@ -1,0 +1,223 @@
+"""The application on a real Ray instance (CPU): serve run, routing, autoscaling, health, failures.
+
+One Ray instance for the module; each test deploys its own application under
+its own route prefix and deletes it afterwards. Loads are bounded in count and
+time and go to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from deployments.app import LLMDeployment  # noqa: E402
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+BASE = "http://127.0.0.1:8000"
+ENGINE = {"max_slots": 4, "max_seq_len": 512}
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ctx = ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                   runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    yield ctx
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _wait(pred, timeout: float, what: str, step: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _deploy(name: str, model: Path, *, user_config=None, blocking=True, **opts):
+    opts.setdefault("ray_actor_options", {"num_cpus": 1})
+    opts.setdefault("health_check_period_s", 1)
+    opts.setdefault("health_check_timeout_s", 10)
+    dep = LLMDeployment.options(name=name, user_config=user_config or {"warmup": {"requests": 1}},
+                                **opts)
+    app = dep.bind(model=str(model), engine=ENGINE, fault_injection=True)
+    try:
+        serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
+    except RuntimeError:  # serve.run reports a failed deploy itself; callers read serve.status()
+        if blocking:
+            raise
+    if blocking:
+        _wait(lambda: _app_status(name) == "RUNNING", 180, f"{name} RUNNING")
+
+
+def _app_status(name: str) -> str | None:
+    app = serve.status().applications.get(name)
+    return None if app is None else str(app.status).split(".")[-1]
+
+
+def _replicas(name: str) -> int:
+    app = serve.status().applications.get(name)
+    if app is None:
+        return 0
+    counts = next(iter(app.deployments.values())).replica_states
+    return counts.get("RUNNING", 0)
+
+
+def _post(path: str, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(BASE + path, json=body, timeout=timeout)
+
+
+def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
+    """The README's main command, on its own Ray instance: `coldstart serve` -> `serve run`."""
+    shutil.copy(ROOT / "serve_config.yaml", tmp_path / "serve_config.yaml")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve"], cwd=tmp_path, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def up():
+            try:
+                r = _post("/generate", {"prompt": "The answer is ", "max_new_tokens": 128,
+                                        "temperature": 0}, timeout=30)
+                return r if r.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+        r = _wait(up, 240, "serve run to answer /generate", step=2)
+        assert (tmp_path / "weights" / "demo" / "model.cst").is_file()  # made on first run
+        assert r.json()["usage"]["completion_tokens"] >= 1
+
+        from openai import OpenAI
+        client = OpenAI(base_url=BASE + "/v1", api_key="none", max_retries=0)
+        assert client.models.list().data[0].id == "demo"
+        stream = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, stream=True)
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        full = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, temperature=0)
+        assert full.usage.completion_tokens == 8 and isinstance(text, str)
+        # a bad request through Ray's proxy is still a 4xx with a message
+        bad = _post("/generate", {"prompt": "", "max_new_tokens": 3})
+        assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                       capture_output=True, timeout=120)
+
+
+def test_autoscaling_up_under_load_never_routes_to_a_warming_replica_and_back(ray_instance,
+                                                                              tiny_packed):
+    """1 -> 2 replicas under a bounded load and back to 1. The new replica holds 6 s in its
+    warm-up (un-routable): any request sent to it while cold would get a 503, so every
+    request succeeding shows Ray routed only to warm replicas."""
+    name = "auto"
+    _deploy(name, tiny_packed, max_ongoing_requests=4,
+            user_config={"warmup": {"requests": 1, "hold_s": 6}},
+            autoscaling_config={
+                "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                "target_ongoing_requests": 1, "upscale_delay_s": 1, "downscale_delay_s": 3,
+                "metrics_interval_s": 0.5, "look_back_period_s": 2})
+    assert _replicas(name) == 1
+    body = {"prompt": "go", "max_new_tokens": 300, "ignore_eos": True, "temperature": 0}
+    scaled_at: list[float] = []
+    stop_at = time.time() + 150
+
+    def worker():
+        out = []
+        while time.time() < stop_at and not (scaled_at and time.time() > scaled_at[0] + 10):
+            r = _post(f"/{name}/generate", body, timeout=120)
+            out.append((r.status_code, r.headers.get("x-coldstart-replica")))
+        return out
+    with cf.ThreadPoolExecutor(6) as pool:
+        futs = [pool.submit(worker) for _ in range(6)]
+        _wait(lambda: _replicas(name) == 2, 120, "scale-up to 2 replicas")
+        scaled_at.append(time.time())
+        results = [x for f in futs for x in f.result()]
+    codes = [c for c, _ in results]
+    assert codes and set(codes) == {200}, codes     # none answered 503 from a cold replica
+    assert len({rid for _, rid in results}) == 2    # the new replica served once warm
+    _wait(lambda: _replicas(name) == 1, 120, "scale-down to 1 replica after the load")
+    serve.delete(name)
+
+
+def test_unhealthy_replica_is_replaced_while_requests_succeed(ray_instance, tiny_packed):
+    name = "heal"
+    _deploy(name, tiny_packed, num_replicas=2)
+    r = _post(f"/{name}/admin/fault", {"kind": "engine_stop"})
+    broken = r.json()["replica"]
+
+    def request_with_retry() -> httpx.Response:
+        # a broken replica answers 503 + Retry-After until Ray replaces it; clients retry
+        for _ in range(20):
+            resp = _post(f"/{name}/generate", {"prompt": "a", "max_new_tokens": 2})
+            if resp.status_code != 503:
+                return resp
+            assert resp.headers["retry-after"]
+            time.sleep(0.2)
+        return resp
+    ids = set()
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        resp = request_with_retry()
+        assert resp.status_code == 200, resp.text
+        ids.add(resp.headers["x-coldstart-replica"])
+        if len(ids - {broken}) >= 2:
+            break
+    assert len(ids - {broken}) >= 2, "the broken replica was not replaced by a new one"
+    serve.delete(name)
+
+
+def test_corrupt_model_fails_the_deployment_with_the_checksum_message(ray_instance, tiny_packed,
+                                                                      tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_packed, bad)
+    with open(bad / "model.cst", "r+b") as f:
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    name = "corrupt"
+    _deploy(name, bad, num_replicas=1, blocking=False)
+    _wait(lambda: _app_status(name) == "DEPLOY_FAILED", 180, "DEPLOY_FAILED")
+    app = serve.status().applications[name]
+    msg = next(iter(app.deployments.values())).message
+    assert "checksum mismatch in chunk 0" in msg and "model.cst" in msg
+    serve.delete(name)
+
+
+def test_client_disconnect_cancels_generation(ray_instance, tiny_packed):
+    name = "cancel"
+    _deploy(name, tiny_packed, num_replicas=1)
+    with httpx.stream("POST", f"{BASE}/{name}/generate", json={
+            "prompt": "x", "max_new_tokens": 480, "ignore_eos": True, "stream": True}, timeout=60) as r:
+        next(r.iter_lines())  # the first token arrived; now hang up
+    stats = _wait(lambda: (s := httpx.get(f"{BASE}/{name}/stats").json())["requests"].get("cancelled")
+                  and s, 30, "the request to be cancelled")
+    assert stats["engine"]["running"] == 0 and stats["engine"]["free_slots"] == ENGINE["max_slots"]
+    # stopped early: far fewer than the 480 tokens asked for (warm-up made 16)
+    assert stats["engine"]["tokens_generated"] - 16 < 240
+    serve.delete(name)

@@ -1,0 +1,207 @@
+"""The serving class without Ray: HTTP shapes, validation, warm-up and health."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.requests import Request
+from starlette.testclient import TestClient
+
+from deployments.config import DeploymentArgs, WarmupPlan
+from deployments.server import LLMServer, NotWarm
+
+
+@pytest.fixture(scope="module")
+def server(tiny_packed):
+    s = LLMServer(str(tiny_packed), engine={"max_slots": 4, "max_seq_len": 256},
+                  fault_injection=True)
+    yield s
+    s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    async def asgi(scope, receive, send):
+        resp = await server(Request(scope, receive))
+        await resp(scope, receive, send)
+    server.reconfigure({"warmup": {"requests": 1, "batch_sizes": [1, 2]}})
+    return TestClient(asgi)
+
+
+def test_cold_replica_answers_503_and_fails_health(tiny_packed):
+    s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
+    try:
+        async def asgi(scope, receive, send):
+            resp = await s(Request(scope, receive))
+            await resp(scope, receive, send)
+        c = TestClient(asgi)
+        r = c.post("/generate", json={"prompt": "hi"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert "warming up" in r.json()["error"]["message"]
+        with pytest.raises(NotWarm):
+            s.check_health()
+        s.reconfigure({"warmup": {"requests": 1}})
+        s.check_health()
+        assert c.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
+        # drills are off unless args.fault_injection is set
+        assert c.post("/admin/fault", json={"kind": "engine_stop"}).status_code == 404
+    finally:
+        s.shutdown()
+
+
+def test_startup_phases_recorded(server):
+    phases = server.timer.as_dict()
+    for name in ("imports", "context", "open", "verify", "load", "engine", "constructor"):
+        assert name in phases, name
+    assert server.metrics.load_gbps and server.metrics.load_gbps > 0
+
+
+def test_generate_the_articles_call(client):
+    r = client.post("/generate", json={"prompt": "The answer is ", "max_new_tokens": 128,
+                                       "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["finish_reason"] in ("length", "stop")
+    assert 1 <= body["usage"]["completion_tokens"] <= 128
+    assert isinstance(body["text"], str)
+    assert r.headers["x-coldstart-replica"]
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_repeats(client):
+    a = client.post("/generate", json={"prompt": "Hello", "max_new_tokens": 12, "temperature": 0}).json()
+    b = client.post("/generate", json={"prompt": "Hello", "max_new_tokens": 12, "temperature": 0}).json()
+    assert a["token_ids"] == b["token_ids"]
+    s1 = client.post("/generate", json={"prompt": "Hello", "max_new_tokens": 12, "temperature": 1.0,
+                                        "seed": 7}).json()
+    s2 = client.post("/generate", json={"prompt": "Hello", "max_new_tokens": 12, "temperature": 1.0,
+                                        "seed": 7}).json()
+    assert s1["token_ids"] == s2["token_ids"]
+
+
+def test_generate_streams_ndjson(client):
+    with client.stream("POST", "/generate", json={"prompt": "Hi", "max_new_tokens": 6, "temperature": 0,
+                                                  "stream": True}) as r:
+        lines = [json.loads(l) for l in r.iter_lines() if l]
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    assert lines[-1]["finish_reason"] == "length"
+    assert sum(len(l["token_ids"]) for l in lines) == 6
+
+
+def test_openai_completion_and_chat_shapes(client):
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
+    r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 3, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]})
+    body = r.json()
+    assert r.status_code == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_chat_streams_sse_with_done(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": "m", "max_tokens": 5, "stream": True,
+            "messages": [{"role": "user", "content": "hello"}]}) as r:
+        events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path, body, status, msg", [
+    ("/generate", b"not json", 400, "not valid JSON"),
+    ("/generate", b"[1, 2]", 400, "must be a JSON object"),
+    ("/generate", b"", 400, "request body is empty"),
+    ("/generate", {"max_new_tokens": 3}, 400, "field 'prompt' must be a non-empty string"),
+    ("/generate", {"prompt": "x", "temprature": 0.5}, 400, "unknown field(s) temprature"),
+    ("/generate", {"prompt": "x", "temperature": "hot"}, 400, "field 'temperature' must be a number"),
+    ("/generate", {"prompt": "x", "top_p": 0}, 400, "field 'top_p' must be in (0, 1]"),
+    ("/generate", {"prompt": "x", "max_new_tokens": 0}, 400, "field 'max_new_tokens' must be an int >= 1"),
+    ("/generate", {"prompt": "x", "stop": 5}, 400, "field 'stop' must be a string or a list"),
+    ("/generate", {"prompt": "word " * 300, "max_new_tokens": 8}, 400, "exceeds max_seq_len=256"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "field 'n' must be 1"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "field 'logprobs'=5 is not supported"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ("/v1/chat/completions", {"messages": []}, 400, "field 'messages' must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "chat template rejected the messages: unknown role: robot"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400,
+     "field 'max_tokens' must be an int >= 1"),
+    ("/nope", {}, 404, "no route /nope"),
+])
+def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(path, content=data, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert msg in r.json()["error"]["message"]
+
+
+def test_wrong_method(client):
+    r = client.get("/generate")
+    assert r.status_code == 405 and "use POST" in r.json()["error"]["message"]
+
+
+def test_stats_count_requests(client):
+    before = client.get("/stats").json()["requests"].get("bad_request", 0)
+    client.post("/generate", json={})
+    after = client.get("/stats").json()
+    assert after["requests"]["bad_request"] == before + 1
+    assert after["warm"] is True and "ttft" in after["last_request"]
+
+
+@pytest.mark.parametrize("uc, msg", [
+    ({"warmup": {"requests": -1}}, "warmup.requests must be >= 0"),
+    ({"warmup": {"prompt_fraction": 2}}, "warmup.prompt_fraction must be in (0, 1]"),
+    ({"warmup": {"batch_sizes": [0]}}, "warmup.batch_sizes must be positive"),
+    ({"warmup": {"tokens": 3}}, "user_config.warmup: unknown field(s) tokens"),
+    ({"warmup": {"decode_tokens": "8"}}, "user_config.warmup.decode_tokens must be int, got str"),
+    ({"warm_up": {}}, "user_config: unknown field(s) warm_up"),
+])
+def test_bad_user_config(uc, msg):
+    with pytest.raises(ValueError) as e:
+        WarmupPlan.from_user_config(uc)
+    assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("args, msg", [
+    ({"modle": "x"}, "args: unknown field(s) modle"),
+    ({"device": "tpu"}, "args.device must be auto, cpu, cuda or cuda:N"),
+    ({"engine": 3}, "args.engine must be dict, got int"),
+])
+def test_bad_args(args, msg):
+    with pytest.raises(ValueError) as e:
+        DeploymentArgs.from_dict(args)
+    assert msg in str(e.value)
+
+
+def test_bad_engine_and_load_options_name_the_field(tiny_packed):
+    with pytest.raises(ValueError, match=r"args.engine: unknown field\(s\) slots"):
+        LLMServer(str(tiny_packed), engine={"slots": 3})
+    with pytest.raises(ValueError, match=r"args.load.threads must be int, got str"):
+        LLMServer(str(tiny_packed), load={"threads": "many"})
+
+
+def test_missing_model_dir_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="coldstart pack HF_DIR"):
+        LLMServer(str(tmp_path / "nothing"))
+
+
+def test_fault_injection_fails_health_and_requests_get_503(tiny_packed):
+    s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128}, fault_injection=True)
+
+    async def asgi(scope, receive, send):
+        resp = await s(Request(scope, receive))
+        await resp(scope, receive, send)
+    c = TestClient(asgi)
+    s.reconfigure({"warmup": {"requests": 1}})
+    s.check_health()
+    assert c.post("/admin/fault", json={"kind": "engine_stop"}).status_code == 200
+    with pytest.raises(RuntimeError, match="engine loop is not running"):
+        s.check_health()
+    r = c.post("/generate", json={"prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"]
