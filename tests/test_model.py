@@ -143,16 +143,13 @@ def test_fallback_serves_gpt2_through_transformers():
 def test_engine_modules_do_not_import_transformers():
     root = Path(__file__).resolve().parents[1]
     code = (
-        "import sys, torch, time; t=time.perf_counter();"
+        "import sys, torch;"
         "import deployments.model, deployments.engine, deployments.tokenizer;"
-        "dt=time.perf_counter()-t;"
-        "bad=[m for m in ('transformers','ray','jinja2') if m in sys.modules];"
-        "print(dt, bad)"
+        "print([m for m in ('transformers','ray','jinja2') if m in sys.modules])"
     )
+    # (the import time itself is measured in bench/engine.py, not asserted here)
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
-    dt, bad = out.split(" ", 1)
-    assert bad.strip() == "[]"
-    assert float(dt) < 0.5  # import cost on top of torch
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize("case", ["llama-gqa", "mistral-window", "qwen2-tied"])
@@ -176,3 +173,22 @@ def test_cached_prefill_and_decode_logits_equal_full_forward(case):
             logits = model.decode(tokens, positions, valid, cache, 24 if p < 24 else 32)
             torch.testing.assert_close(logits[1], full[p], atol=1e-5, rtol=1e-5)
             assert torch.isfinite(logits).all()
+
+
+def test_building_the_model_imports_nothing_heavy(tiny_packed):
+    # torch.nn.init.normal_ pulls in torch._dynamo and sympy (1-2 s of every replica start);
+    # the model is built without running any initialiser
+    code = (
+        "import sys, torch\n"
+        "from weights import load\n"
+        "from deployments.model import build_model\n"
+        f"m = load({str(tiny_packed)!r}, 'cpu')\n"
+        "before = set(sys.modules)\n"
+        "build_model(m.config, m.tensors)\n"
+        "new = sorted(n for n in set(sys.modules) - before if n.split('.')[0] in ('sympy',) "
+        "or n.startswith(('torch._dynamo', 'torch._inductor')))\n"
+        "assert not new, new[:10]\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
