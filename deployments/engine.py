@@ -174,6 +174,8 @@ class Engine:
         RuntimeError once the loop has died."""
         if self.error is not None:
             raise RuntimeError(f"engine loop is dead: {self.error!r}")
+        if self._stop.is_set():  # nothing would ever serve it: refuse instead of hanging
+            raise RuntimeError("engine is shut down")
         params.validate()
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a request needs at least one prompt token")

@@ -262,6 +262,14 @@ def test_stats_and_shutdown(engine):
     assert (s["running"], s["waiting"], s["free_slots"]) == (0, 0, 4)
 
 
+def test_submit_after_shutdown_is_refused():
+    eng, _ = make_engine(max_slots=2, max_seq_len=64)
+    eng.shutdown()
+    assert not eng.alive()
+    with pytest.raises(RuntimeError, match="engine is shut down"):
+        eng.submit([1, 2, 3], SamplingParams(max_new_tokens=2, **GREEDY))
+
+
 def test_fallback_engine_matches_transformers():
     hf, cfg = hf_model("gpt2", vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64)
     model = build_model(cfg, state_tensors(hf))
