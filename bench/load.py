@@ -144,6 +144,22 @@ def drop_caches() -> bool:
         return False
 
 
+def ensure_checkpoint(work: Path, shape: str) -> tuple[Path, Path, dict]:
+    """The random HF checkpoint (made on the GPU) and its packed copy under ``work``."""
+    from weights import PackOptions, make_demo, pack
+    hf, packed = work / "hf", work / "packed"
+    prep = {}
+    if not (hf / "config.json").exists():
+        t0 = time.perf_counter()
+        make_demo(hf, shape, device="cuda", force=True)
+        prep["demo_s"] = time.perf_counter() - t0
+    if not (packed / "model.cst").exists():
+        t0 = time.perf_counter()
+        pack(hf, packed, PackOptions(progress=False, force=True))
+        prep["pack_s"] = time.perf_counter() - t0
+    return hf, packed, prep
+
+
 def warm_cache(d: Path) -> None:
     """Read every file of ``d`` once, so it sits in the page cache."""
     for f in sorted(d.iterdir()):
@@ -182,19 +198,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="skip the threads x read size sweep")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from weights import PackOptions, make_demo, pack
-
-    work = Path(a.work)
-    hf, packed = work / "hf", work / "packed"
-    prep = {}
-    if not (hf / "config.json").exists():
-        t0 = time.perf_counter()
-        make_demo(hf, a.shape, device="cuda", force=True)
-        prep["demo_s"] = time.perf_counter() - t0
-    if not (packed / "model.cst").exists():
-        t0 = time.perf_counter()
-        pack(hf, packed, PackOptions(progress=False, force=True))
-        prep["pack_s"] = time.perf_counter() - t0
+    hf, packed, prep = ensure_checkpoint(Path(a.work), a.shape)
     print(f"prepared {prep}", flush=True)
 
     res: dict = {"shape": a.shape, "prep": prep}

@@ -1,23 +1,27 @@
-"""Replica start as Ray Serve sees it: minimal vs coldstart vs a transformers-based replica.
+"""The cold-start report: deploy -> RUNNING -> first 200, side by side, in Ray Serve.
 
-Run on the GPU machine from the repository root, after bench/load.py made the
-checkpoint (or with --hf / --packed pointing at one):
+Run on the GPU machine from the repository root (makes the 7B random checkpoint
+and packs it under --work if bench/load.py has not, or give --hf and --packed):
 
-    PYTHONPATH=$PWD python bench/serve.py --out bench/results
+    PYTHONPATH=$PWD python bench/serve.py --out bench/results --report docs
 
-For each deployment, alone on the GPU: deploy (serve.run, non-blocking), then
-poll until the application is RUNNING (Ray routes only to replicas that passed
-__init__, reconfigure and a first health check), then time the first 200
-answer. The window starts when the controller is asked for the replica, so the
-worker's process start and every import inside it are counted.
+For each replica kind, deployed alone on the GPU: deploy (serve.run,
+non-blocking), poll until the application is RUNNING (Ray routes only to
+replicas that passed __init__, reconfigure and a first health check), then time
+the first 200 answer. The window starts when the controller is asked for the
+replica, so the worker's process start and every import inside it count.
 
-  minimal       __init__: import torch, create the CUDA context
+  minimal       __init__: import torch, create the CUDA context (the floor)
   coldstart     deployments.app.LLMDeployment on the packed model (warm-up in reconfigure)
   transformers  __init__: import transformers, from_pretrained(device_map="cuda");
                 reconfigure: one generate (512-token prompt, 16 new tokens)
+  naive         (--naive) the article's "before": random init on the CPU,
+                load_state_dict from the safetensors shards, .half().cuda()
 
-Warm page cache first, then (after echo 3 > /proc/sys/vm/drop_caches) cold for
-minimal and coldstart. Writes serve.json and serve.md into --out.
+Each kind runs with a warm page cache (its files read just before) and a cold
+one (echo 3 > /proc/sys/vm/drop_caches first). Writes serve.json / serve.md
+into --out and, with --report DIR, coldstart-report.{json,md,png} into DIR
+(the PNG needs matplotlib).
 """
 
 from __future__ import annotations
@@ -39,39 +43,56 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+BASE = "http://127.0.0.1:8000"
 
 
-@serve.deployment(ray_actor_options={"num_gpus": 1, "num_cpus": 1})
+def _dev() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"  # cpu: --num-gpus 0 checks the script
+
+
+@serve.deployment
 class Minimal:
     def __init__(self):
         t0 = time.perf_counter()
         import torch
         t1 = time.perf_counter()
-        if torch.cuda.is_available():  # (--num-gpus 0 checks this script on a CPU machine)
-            torch.empty(1, device="cuda")
-            torch.cuda.synchronize()
-        self.phases = {"import_torch": t1 - t0, "context": time.perf_counter() - t1}
+        torch.empty(1, device=_dev())
+        self.phases = {"imports": t1 - t0, "context": time.perf_counter() - t1}
+        self.warm_at = time.time()  # no reconfigure: ready when the constructor returns
 
     async def __call__(self, request: Request):
-        return JSONResponse({"phases": self.phases})
+        from deployments.runtime import process_start_time
+        return JSONResponse({"phases": self.phases, "warm_at": self.warm_at,
+                             "process_started_at": process_start_time()})
 
 
-@serve.deployment(ray_actor_options={"num_gpus": 1, "num_cpus": 1}, user_config={})
+@serve.deployment(user_config={})
 class TransformersReplica:
-    def __init__(self, path: str):
+    def __init__(self, path: str, naive: bool = False):
         t = time.perf_counter
         t0 = t()
         import torch
         t1 = t()
-        self.dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dev = _dev()
         torch.empty(1, device=self.dev)
         t2 = t()
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         t3 = t()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, device_map=self.dev if self.dev == "cuda" else None, dtype=torch.float16 if self.dev == "cuda" else torch.float32)
-        self.phases = {"import_torch": t1 - t0, "context": t2 - t1, "import_transformers": t3 - t2,
-                       "load": t() - t3}
+        self.phases = {"imports": t1 - t0 + t3 - t2, "context": t2 - t1}
+        if naive:  # the article's "before": random init, load_state_dict, .half().cuda()
+            from safetensors.torch import load_file
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            for f in sorted(Path(path).glob("*.safetensors")):
+                model.load_state_dict(load_file(str(f)), strict=False)
+            self.model = (model.half() if self.dev == "cuda" else model).to(self.dev)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, device_map=self.dev if self.dev == "cuda" else None,
+                dtype=torch.float16 if self.dev == "cuda" else torch.float32)
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+        self.phases["load"] = t() - t3
 
     def reconfigure(self, user_config):
         import torch
@@ -80,10 +101,13 @@ class TransformersReplica:
         self.model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         if self.dev == "cuda":
             torch.cuda.synchronize()
-        self.phases["first_generate"] = time.perf_counter() - t0
+        self.phases["warmup"] = time.perf_counter() - t0
+        self.warm_at = time.time()
 
     async def __call__(self, request: Request):
-        return JSONResponse({"phases": self.phases})
+        from deployments.runtime import process_start_time
+        return JSONResponse({"phases": self.phases, "warm_at": self.warm_at,
+                             "process_started_at": process_start_time()})
 
 
 def drop_caches() -> None:
@@ -92,8 +116,18 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def read_all(*dirs: Path) -> None:
+    for d in dirs:
+        for f in sorted(d.iterdir()):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    while fh.read(64 << 20):
+                        pass
+
+
 def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     t0 = time.perf_counter()
+    deployed_at = time.time()
     serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
     while True:
         st = serve.status().applications.get(name)
@@ -104,92 +138,157 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
             raise RuntimeError(f"{name}: {next(iter(st.deployments.values())).message}")
         time.sleep(0.05)
     t_running = time.perf_counter() - t0
-    url = f"http://127.0.0.1:8000/{name}{url_path}"
+    url = f"{BASE}/{name}{url_path}"
     r = httpx.post(url, json=body, timeout=300) if body is not None else httpx.get(url, timeout=300)
     t_200 = time.perf_counter() - t0
     r.raise_for_status()
-    info = httpx.get(f"http://127.0.0.1:8000/{name}/stats", timeout=30).json() if name.startswith("coldstart") \
-        else r.json()
+    info = (httpx.get(f"{BASE}/{name}/stats", timeout=30).json() if name.startswith("coldstart")
+            else r.json())
     serve.delete(name)
-    res = {"deploy_to_running_s": t_running, "deploy_to_first_200_s": t_200,
-           "phases": info.get("phases") or info.get("startup_phases_s")}
-    print(f"  {name:22s} RUNNING after {t_running:6.2f} s, first 200 after {t_200:6.2f} s  "
+    phases = info.get("phases") or _ours_phases(info["startup_phases_s"])
+    # deploy -> warm from the replica's own clock (same host): precise, where the polled
+    # RUNNING status moves in steps of the controller's loop
+    warm = info["warm_at"] - deployed_at
+    born = info.get("process_started_at")
+    res = {"deploy_to_warm_s": warm, "deploy_to_running_s": t_running, "deploy_to_first_200_s": t_200,
+           "process_to_warm_s": None if born is None else info["warm_at"] - max(born, deployed_at),
+           "phases": phases, "detail": info.get("startup_phases_s")}
+    # what the replica did not time itself: Ray scheduling, the worker's start
+    res["phases"]["ray_and_process"] = max(0.0, warm - sum(phases.values()))
+    print(f"  {name:22s} warm after {warm:6.2f} s, RUNNING after {t_running:6.2f} s, "
+          f"first 200 after {t_200:6.2f} s  "
           f"phases {json.dumps({k: round(v, 3) for k, v in res['phases'].items()})}", flush=True)
     return res
 
 
+def _ours_phases(p: dict) -> dict:
+    return {"imports": p["imports"], "context": p["context"], "load": p["load"],
+            "engine": p["engine"], "warmup": p["warmup"]}
+
+
+def write_report(res: dict, out: Path, command: str) -> None:
+    """coldstart-report.{json,md,png}: the table and a stacked bar per run."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "coldstart-report.json").write_text(json.dumps({"command": command, **res}, indent=2))
+    order = ["ray_and_process", "imports", "context", "load", "engine", "warmup"]
+    rows = ["| replica | cache | deploy -> warm s | deploy -> RUNNING s (polled) | first 200 s | "
+            + " | ".join(f"{k} %" for k in order) + " |", "|---" * (5 + len(order)) + "|"]
+    runs = [(kind, cache, r) for cache in ("warm", "cold") for kind, r in res[cache].items()]
+    for kind, cache, r in runs:
+        tot = r["deploy_to_warm_s"]
+        shares = [f"{100 * r['phases'].get(k, 0) / tot:.0f}" for k in order]
+        rows.append(f"| {kind} | {cache} | {tot:.2f} | {r['deploy_to_running_s']:.2f} | "
+                    f"{r['deploy_to_first_200_s']:.2f} | "
+                    + " | ".join(shares) + " |")
+    (out / "coldstart-report.md").write_text(
+        "Replica start in Ray Serve: deploy -> warm (the replica's clock) -> RUNNING (Ray's "
+        "status, polled) -> first 200, each replica alone on the GPU; phase shares of "
+        "deploy -> warm.\n\n"
+        + "\n".join(rows) + f"\n\nCommand: `{command}`\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG chart", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(runs)))
+    colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854"]
+    labels = [f"{kind} ({cache})" for kind, cache, _ in runs]
+    for i, (kind, cache, r) in enumerate(runs):
+        left = 0.0
+        for k, c in zip(order, colors):
+            w = r["phases"].get(k, 0.0)
+            ax.barh(i, w, left=left, color=c, label=k if i == 0 else None)
+            left += w
+        ax.text(left + 0.3, i, f"{r['deploy_to_warm_s']:.1f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from deploy to warm")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "coldstart-report.png", dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hf", default="/tmp/coldstart-bench/hf")
-    ap.add_argument("--packed", default="/tmp/coldstart-bench/packed")
+    ap.add_argument("--work", default="/tmp/coldstart-bench",
+                    help="where the 7B checkpoint is made (if absent) and packed")
+    ap.add_argument("--hf", help="an HF checkpoint directory instead (default: WORK/hf)")
+    ap.add_argument("--packed", help="its packed copy (default: WORK/packed)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--report", help="also write coldstart-report.{json,md,png} into this folder")
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--naive", action="store_true", help="add the article's naive path (minutes)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
     a = ap.parse_args()
     from deployments.app import LLMDeployment
 
+    if a.hf and a.packed:
+        hf, packed = Path(a.hf), Path(a.packed)
+    else:
+        from bench.load import ensure_checkpoint
+        hf, packed, prep = ensure_checkpoint(Path(a.work), "llama-7b")
+        print(f"prepared {prep}", flush=True)
     t0 = time.perf_counter()
     ray.init(runtime_env={"env_vars": ENV}, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     print(f"ray.init + serve.start: {time.perf_counter() - t0:.1f} s", flush=True)
-    # a throwaway deploy so that every measured one finds Serve's proxy and controller up
     gpus = {"num_gpus": a.num_gpus, "num_cpus": 1}
     minimal = Minimal.options(ray_actor_options=gpus)
     hf_rep = TransformersReplica.options(ray_actor_options=gpus)
+    # a throwaway deploy, so every measured one finds Serve's proxy and controller up
     measure("prime", minimal.bind(), "", {})
 
-    def ours(tag: str):
-        dep = LLMDeployment.options(ray_actor_options={"num_gpus": a.num_gpus, "num_cpus": 1},
+    def ours(tag: str) -> dict:
+        dep = LLMDeployment.options(ray_actor_options=gpus,
                                     user_config={"warmup": {"requests": 1, "batch_sizes": [1, 4]}})
-        app = dep.bind(model=a.packed, device="cuda" if a.num_gpus else "cpu",
-                       engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024}, load={})
+        app = dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu",
+                       engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024})
         return measure(f"coldstart-{tag}", app, "/generate",
                        {"prompt": "The answer is ", "max_new_tokens": 16, "temperature": 0})
 
-    res = {"warm": {}, "cold": {}}
-    # warm means warm: the weights of both replicas in the page cache before they start
-    for d in (Path(a.packed), Path(a.hf)):
-        for f in sorted(d.iterdir()):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    while fh.read(64 << 20):
-                        pass
-    print("warm page cache:", flush=True)
-    res["warm"]["minimal"] = measure("minimal-warm", minimal.bind(), "", {})
-    res["warm"]["coldstart"] = ours("warm")
-    res["warm"]["transformers"] = measure("transformers-warm", hf_rep.bind(a.hf), "", {})
-    if not a.skip_cold:
-        print("cold page cache:", flush=True)
-        drop_caches()
-        res["cold"]["minimal"] = measure("minimal-cold", minimal.bind(), "", {})
-        drop_caches()
-        res["cold"]["coldstart"] = ours("cold")
-    w = res["warm"]
-    summary = {
-        "minimal_warm_s": w["minimal"]["deploy_to_running_s"],
-        "coldstart_warm_s": w["coldstart"]["deploy_to_running_s"],
-        "transformers_warm_s": w["transformers"]["deploy_to_running_s"],
-    }
-    summary["coldstart_minus_minimal_warm_s"] = summary["coldstart_warm_s"] - summary["minimal_warm_s"]
-    summary["coldstart_over_transformers_warm"] = summary["coldstart_warm_s"] / summary["transformers_warm_s"]
-    if res["cold"]:
-        summary["minimal_cold_s"] = res["cold"]["minimal"]["deploy_to_running_s"]
-        summary["coldstart_cold_s"] = res["cold"]["coldstart"]["deploy_to_running_s"]
-        summary["coldstart_minus_minimal_cold_s"] = summary["coldstart_cold_s"] - summary["minimal_cold_s"]
-    summary["command"] = "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])
+    kinds = {"minimal": lambda tag: measure(f"minimal-{tag}", minimal.bind(), "", {}),
+             "coldstart": ours,
+             "transformers": lambda tag: measure(f"transformers-{tag}", hf_rep.bind(str(hf)), "", {})}
+    if a.naive:
+        kinds["naive"] = lambda tag: measure(f"naive-{tag}", hf_rep.bind(str(hf), True), "", {})
+    res: dict = {"warm": {}, "cold": {}}
+    for cache in ("warm",) if a.skip_cold else ("warm", "cold"):
+        print(f"{cache} page cache:", flush=True)
+        for kind, run in kinds.items():
+            if cache == "warm":
+                read_all(packed, hf)  # warm means the weights are in the page cache
+            else:
+                drop_caches()
+            res[cache][kind] = run(cache)
+
+    summary: dict = {}
+    for cache, r in res.items():
+        for kind, v in r.items():
+            summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
+        if "coldstart" in r:
+            summary[f"coldstart_minus_minimal_{cache}_s"] = (
+                r["coldstart"]["deploy_to_warm_s"] - r["minimal"]["deploy_to_warm_s"])
+            summary[f"coldstart_over_transformers_{cache}"] = (
+                r["coldstart"]["deploy_to_warm_s"] / r["transformers"]["deploy_to_warm_s"])
+    command = "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])
+    summary["command"] = command
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps({**summary, "detail": res}, indent=2))
-    md = ["Deploy -> replica RUNNING (Ray routes to it) on one H200, each deployment alone.", "",
+    md = ["Deploy -> replica warm (constructor and reconfigure done), each deployment alone.", "",
           "| replica | warm cache s | cold cache s |", "|---|---|---|"]
-    for k in ("minimal", "coldstart", "transformers"):
-        c = res["cold"].get(k, {}).get("deploy_to_running_s")
-        md.append(f"| {k} | {w[k]['deploy_to_running_s']:.2f} | {'' if c is None else f'{c:.2f}'} |")
-    md += ["", f"coldstart - minimal (warm): {summary['coldstart_minus_minimal_warm_s']:.2f} s; "
-               f"coldstart / transformers (warm): {summary['coldstart_over_transformers_warm']:.2f}", "",
-           f"Command: `{summary['command']}`", ""]
+    for k in kinds:
+        w = res["warm"][k]["deploy_to_warm_s"]
+        c = res["cold"].get(k, {}).get("deploy_to_warm_s")
+        md.append(f"| {k} | {w:.2f} | {'' if c is None else f'{c:.2f}'} |")
+    md += ["", json.dumps({k: round(v, 3) for k, v in summary.items() if k != "command"}), "",
+           f"Command: `{command}`", ""]
     (out / "serve.md").write_text("\n".join(md))
     print("\n".join(md))
+    if a.report:
+        write_report(res, Path(a.report), command)
     serve.shutdown()
     ray.shutdown()
 

@@ -85,3 +85,18 @@ def device_error(device) -> str | None:
     except RuntimeError as e:
         return f"GPU error on {device}: {e}"
     return None
+
+
+def process_start_time() -> float | None:
+    """When this process started, as a Unix time (Linux /proc), or None elsewhere.
+
+    The replica reports it so a start can be measured from the process's birth,
+    before any Python import, not only from the constructor.
+    """
+    try:
+        stat = open("/proc/self/stat").read()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+        btime = next(int(l.split()[1]) for l in open("/proc/stat") if l.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

@@ -53,6 +53,8 @@ class LLMServer:
                  device: str = "auto", engine: dict | None = None, load: dict | None = None,
                  fault_injection: bool = False, metrics: Metrics | None = None):
         t_start = time.perf_counter()
+        self.started_at = time.time()  # Unix times of the start-up milestones, for /stats
+        self.warm_at: float | None = None
         self.args = DeploymentArgs.from_dict(
             {"model": model, "model_name": model_name, "device": device,
              "engine": engine or {}, "load": load or {}, "fault_injection": fault_injection})
@@ -123,6 +125,7 @@ class LLMServer:
         self.warmups += 1
         if not self.warm:
             self.warm = True
+            self.warm_at = time.time()
             self.timer.record("total", time.perf_counter() - self._t_start)
 
     def _warmup(self, plan: WarmupPlan) -> None:
@@ -312,7 +315,10 @@ class LLMServer:
         return JSONResponse({"injected": kind, "replica": self.replica_id})
 
     async def _stats(self, request: Request) -> Response:
+        from deployments.runtime import process_start_time
         return JSONResponse({"warm": self.warm, "replica": self.replica_id,
+                             "process_started_at": process_start_time(),
+                             "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})
 
