@@ -239,3 +239,21 @@ def test_interrupted_pack_leaves_no_valid_dest(tmp_path, sig):
         assert d.name.startswith(".p.partial-")
         with pytest.raises(Exception):
             read_packed(d)
+
+
+def test_index_decides_which_files_are_the_model(tmp_path):
+    # a repository that also ships the weights in another naming (consolidated.safetensors)
+    src = make_hf_dir(tmp_path / "src", [{"a": torch.ones(3)}, {"b": torch.zeros(2)}])
+    write_safetensors(src / "consolidated.safetensors", {"layers.0.wq": torch.ones(3)})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    m = load(pack(src, tmp_path / "p", PackOptions(progress=False)), "cpu")
+    assert sorted(m.tensors) == ["a", "b"]
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    src = make_hf_dir(tmp_path / "src", [{"a": torch.ones(3)}])
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00001.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(SourceError, match=r"names model-00002-of-00002.safetensors, which is not in"):
+        pack(src, tmp_path / "p")

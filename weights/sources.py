@@ -44,7 +44,28 @@ class SourceTensor:
 
 
 def find_weight_files(src: Path) -> list[Path]:
-    """The checkpoint's weight files: safetensors if any, else ``.bin``."""
+    """The checkpoint's weight files: those its index names, else every safetensors
+    file, else every ``.bin`` file.
+
+    The index matters: some repositories ship the same weights twice (sharded
+    ``model-*.safetensors`` plus a ``consolidated.safetensors`` in another
+    naming), and only the index says which set the model uses.
+    """
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "*.bin")):
+        index = src / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise SourceError(f"{index}: not a valid weight index ({e}); fix or remove it") from e
+            missing = [n for n in names if not (src / n).is_file()]
+            if missing:
+                raise SourceError(f"{index} names {', '.join(missing)}, which "
+                                  f"{'is' if len(missing) == 1 else 'are'} not in {src}; "
+                                  "the download is incomplete")
+            return [src / n for n in names]
     st = sorted(src.glob("*.safetensors"))
     if st:
         return st
