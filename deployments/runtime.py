@@ -23,6 +23,32 @@ def _visible() -> str:
             f"NVIDIA_VISIBLE_DEVICES={os.environ.get('NVIDIA_VISIBLE_DEVICES', '<unset>')}")
 
 
+def check_driver(proc_text: str | None, torch_cuda: str | None) -> str | None:
+    """Raise ``PreflightError`` if the NVIDIA driver is too old for torch's CUDA build.
+
+    ``proc_text`` is /proc/driver/nvidia/version (read without starting CUDA or
+    nvidia-smi); returns the driver version, or None when it cannot be known.
+    """
+    from deployments.doctor import driver_verdict, parse_proc_driver_version
+    driver = parse_proc_driver_version(proc_text) if proc_text else None
+    if driver is None or torch_cuda is None:
+        return driver
+    status, detail, action = driver_verdict(driver, torch_cuda)
+    if status == "fail":
+        raise PreflightError(f"{detail}; {action}")
+    if status == "warn":
+        log.warning("%s; %s", detail, action)
+    return driver
+
+
+def _proc_driver_text() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def choose_device(requested: str):
     """Resolve ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` into a torch.device, or raise
     ``PreflightError`` when a GPU was asked for and cannot be used."""
@@ -30,6 +56,9 @@ def choose_device(requested: str):
 
     if requested == "cpu":
         return torch.device("cpu")
+    # before CUDA starts: a driver too old for this torch fails here with the versions,
+    # not later as "no GPU" or a CUDA error
+    check_driver(_proc_driver_text(), torch.version.cuda)
     if requested == "auto" and not torch.cuda.is_available():
         log.info("no GPU visible (%s): serving on the CPU", _visible())
         return torch.device("cpu")
