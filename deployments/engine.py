@@ -285,6 +285,7 @@ class Engine:
         while self._waiting and self._free:
             s = self._waiting.popleft()
             s.slot = heapq.heappop(self._free)
+            s.handle.admitted_at = time.perf_counter()
             self._prefilling.append(s)
 
     def _prefill_turn(self) -> None:

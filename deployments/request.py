@@ -121,6 +121,7 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None  # when it got a KV-cache slot
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.n_tokens = 0
@@ -137,6 +138,11 @@ class RequestHandle:
     def ttft_s(self) -> float | None:
         """Seconds from submit to the first token."""
         return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """Seconds from submit until the request got a KV-cache slot."""
+        return None if self.admitted_at is None else self.admitted_at - self.submitted_at
 
     @property
     def decode_tokens_per_s(self) -> float | None:

@@ -225,8 +225,7 @@ class LLMServer:
         status = ("cancelled" if handle.cancelled and handle.finish_reason in (None, "cancelled")
                   else "error" if handle.finish_reason == "error" else "ok")
         self.metrics.request(status)
-        qw = getattr(handle, "queue_wait_s", None)
-        self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, qw)
+        self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, handle.queue_wait_s)
 
     async def _stream(self, handle, render: Callable[[Any], bytes | None],
                       tail: Callable[[Any], bytes] | None = None) -> AsyncIterator[bytes]:

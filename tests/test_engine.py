@@ -313,3 +313,17 @@ def test_cuda_graph_decode_equals_eager():
             eng.shutdown()
     assert outs[0] == outs[1]
     assert outs[0][0] == hf_greedy(hf, PROMPTS[0], 40)
+
+
+def test_queue_wait_is_the_time_until_a_slot_was_free():
+    eng, _ = make_engine(max_slots=1, max_seq_len=128)
+    try:
+        a = eng.submit([3, 4, 5], SamplingParams(max_new_tokens=30, **GREEDY))
+        b = eng.submit([3, 4, 6], SamplingParams(max_new_tokens=2, **GREEDY))
+        a.result(timeout=60)
+        b.result(timeout=60)
+        # one slot: b was admitted only once a had finished and freed it
+        assert b.admitted_at >= a.finished_at
+        assert b.queue_wait_s >= a.queue_wait_s >= 0
+    finally:
+        eng.shutdown()
