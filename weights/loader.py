@@ -164,7 +164,11 @@ def _views(packed: PackedFile, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _verify(packed: PackedFile, data: torch.Tensor) -> None:
-    got = checksum.chunk_sums_tensor(data, packed.index.chunk_bytes)
+    _check_sums(packed, checksum.chunk_sums_tensor(data, packed.index.chunk_bytes))
+
+
+def _check_sums(packed: PackedFile, got: torch.Tensor) -> None:
+    """Compare computed chunk sums ``[n, 2]`` with the index; name the first bad chunk."""
     bad = checksum.first_mismatch(got, checksum.as_signed(packed.index.chunk_sums))
     if bad is not None:
         raise PackedFormatError(
@@ -273,11 +277,7 @@ class _Verifier:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        bad = checksum.first_mismatch(self.sums, checksum.as_signed(self.packed.index.chunk_sums))
-        if bad is not None:
-            raise PackedFormatError(
-                f"{self.packed.path}: checksum mismatch in {self.packed.describe_chunk(bad)}; the "
-                "file is corrupt: re-copy or re-pack the model (coldstart verify names every bad chunk)")
+        _check_sums(self.packed, self.sums)
 
 
 class _Slots:
