@@ -166,6 +166,52 @@ def _ours_phases(p: dict) -> dict:
             "engine": p["engine"], "warmup": p["warmup"]}
 
 
+def scale_up(packed: Path, num_gpus: float, device: str, seconds: float = 120) -> dict:
+    """1 -> 2 replicas under load (needs 2 GPUs): from the scale decision (Ray shows a
+    second replica STARTING) until the new replica answers a request."""
+    import concurrent.futures as cf
+    from deployments.app import LLMDeployment
+    name = "scaleup"
+    dep = LLMDeployment.options(
+        ray_actor_options={"num_gpus": num_gpus, "num_cpus": 1}, max_ongoing_requests=16,
+        user_config={"warmup": {"requests": 1, "batch_sizes": [1, 4]}},
+        autoscaling_config={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                            "target_ongoing_requests": 2, "upscale_delay_s": 1,
+                            "downscale_delay_s": 600, "metrics_interval_s": 0.5,
+                            "look_back_period_s": 2})
+    app = dep.bind(model=str(packed), device=device, engine={"max_slots": 16, "max_seq_len": 1024})
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    first = httpx.post(f"{BASE}/{name}/generate", json={"prompt": "a", "max_new_tokens": 1},
+                       timeout=60).headers["x-coldstart-replica"]
+    stop = time.time() + seconds
+    seen: dict[str, float] = {}
+    decided: list[float] = []
+
+    def load() -> None:
+        while time.time() < stop and len(seen) < 2:
+            r = httpx.post(f"{BASE}/{name}/generate", timeout=120, json={
+                "prompt": "go", "max_new_tokens": 256, "ignore_eos": True, "temperature": 0})
+            rid = r.headers.get("x-coldstart-replica")
+            if rid and rid != first and rid not in seen:
+                seen[rid] = time.time()
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        futs = [pool.submit(load) for _ in range(12)]
+        while time.time() < stop and len(seen) < 1:
+            states = next(iter(serve.status().applications[name].deployments.values())).replica_states
+            if not decided and sum(states.values()) >= 2:
+                decided.append(time.time())
+            time.sleep(0.05)
+        for f in futs:
+            f.result()
+    serve.delete(name)
+    if not decided or not seen:
+        raise RuntimeError("no scale-up observed: raise the load or the time limit")
+    t = next(iter(seen.values())) - decided[0]
+    print(f"  scale-up: second replica served {t:.2f} s after the scale decision", flush=True)
+    return {"decision_to_first_answer_s": t}
+
+
 def write_report(res: dict, out: Path, command: str) -> None:
     """coldstart-report.{json,md,png}: the table and a stacked bar per run."""
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +219,7 @@ def write_report(res: dict, out: Path, command: str) -> None:
     order = ["ray_and_process", "imports", "context", "load", "engine", "warmup"]
     rows = ["| replica | cache | deploy -> warm s | deploy -> RUNNING s (polled) | first 200 s | "
             + " | ".join(f"{k} %" for k in order) + " |", "|---" * (5 + len(order)) + "|"]
-    runs = [(kind, cache, r) for cache in ("warm", "cold") for kind, r in res[cache].items()]
+    runs = [(kind, cache, r) for cache in ("warm", "cold") for kind, r in res.get(cache, {}).items()]
     for kind, cache, r in runs:
         tot = r["deploy_to_warm_s"]
         shares = [f"{100 * r['phases'].get(k, 0) / tot:.0f}" for k in order]
@@ -221,6 +267,8 @@ def main() -> None:
     ap.add_argument("--skip-cold", action="store_true")
     ap.add_argument("--naive", action="store_true", help="add the article's naive path (minutes)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
+    ap.add_argument("--scale-up", action="store_true",
+                    help="also time a 1 -> 2 replica scale-up under load (needs 2 GPUs)")
     a = ap.parse_args()
     from deployments.app import LLMDeployment
 
@@ -263,8 +311,15 @@ def main() -> None:
                 drop_caches()
             res[cache][kind] = run(cache)
 
+    if a.scale_up:
+        read_all(packed)
+        res["scale_up"] = scale_up(packed, a.num_gpus, "cuda" if a.num_gpus else "cpu")
     summary: dict = {}
+    if "scale_up" in res:
+        summary["scale_up_decision_to_first_answer_s"] = res["scale_up"]["decision_to_first_answer_s"]
     for cache, r in res.items():
+        if cache == "scale_up":
+            continue
         for kind, v in r.items():
             summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
         if "coldstart" in r:
