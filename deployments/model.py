@@ -243,12 +243,15 @@ class Attention(nn.Module):
         self.window = cfg.layer_windows[layer_idx]
         self.scale = cfg.head_dim**-0.5
         D, Dq, Dkv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        # Kept separate (no fused qkv): a fused copy would double their memory, and
-        # separate matmuls at decode are weight-read bound either way.
         self.q_proj = nn.Linear(D, Dq, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(Dq, D, bias=cfg.o_bias)
+        self.splits = [Dq, Dkv, Dkv]
+        # [Dq + 2*Dkv, D] view over q/k/v when the loader placed them back to back
+        # (the packer does): one matmul instead of three, no copy (see fuse_projections)
+        self.qkv_w: torch.Tensor | None = None
+        self.qkv_b: torch.Tensor | None = None
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
         # q: [B, H, S, Dh], k/v: [B, Hkv, L, Dh], mask: [B|1, 1, S, L] bool or None (causal, L == S)
@@ -276,9 +279,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # x: [B, S, D]
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, S, Dh]
-        v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.qkv_w is not None:
+            q, k, v = F.linear(x, self.qkv_w, self.qkv_b).split(self.splits, dim=-1)  # [B, S, *]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+        k = k.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, S, Dh]
+        v = v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         # rotate_half(x) * sin == roll(x, Dh/2) * [-sin | sin]: 3 kernels instead of 5
         cos, sin = ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1)  # [B, 1, S, Dh]; sin sign-folded
         half = self.head_dim // 2
@@ -312,9 +319,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(F_, D, bias=cfg.mlp_bias)
+        self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
+        self.gate_up_b: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_w is not None:
+            gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -459,6 +472,48 @@ class Transformer(nn.Module):
         return self.lm_head(h[:, 0])
 
 
+def adjacent_view(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``ts`` stacked along dim 0 as ONE view, if they lie back to back in one storage.
+
+    No copy is ever made: None when they are not adjacent (other loaders, padding
+    between small tensors), and the caller keeps the separate matmuls.
+    """
+    first = ts[0]
+    base = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for t in ts:
+        if (t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != base or t.data_ptr() != end or end == 0):
+            return None
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in ts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _bias(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if ts[0] is None:
+        return None
+    # biases are 4 KiB-padded apart in a packed file; a few KB per layer, so a copy is fine
+    return adjacent_view(ts) if adjacent_view(ts) is not None else torch.cat(ts)
+
+
+def fuse_projections(model: Transformer) -> int:
+    """Point every layer's fused q/k/v and gate/up weights at adjacent views; returns how
+    many of the 2 x layers matrices could be fused."""
+    n = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_w = adjacent_view([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        if a.qkv_w is not None:
+            a.qkv_b = _bias([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            n += 1
+        m.gate_up_w = adjacent_view([m.gate_proj.weight, m.up_proj.weight])
+        if m.gate_up_w is not None:
+            m.gate_up_b = _bias([m.gate_proj.bias, m.up_proj.bias])
+            n += 1
+    return n
+
+
 def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
@@ -502,6 +557,8 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         setattr(model.get_submodule(mod_name), leaf, nn.Parameter(given[name], requires_grad=False))
     if cfg.tie_word_embeddings:  # HF ties even when lm_head.weight is stored
         model.lm_head.weight = model.model.embed_tokens.weight
+    fused = fuse_projections(model)
+    log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
     model.eval()
     model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
     return model
