@@ -100,7 +100,17 @@ def parse_generate(doc: dict) -> tuple[str, SamplingParams, bool]:
 
 
 _UNSUPPORTED_OK = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                   "best_of": (None, 1), "suffix": (None, "")}
+                   "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+                   "functions": (None, []), "tool_choice": (None, "none"),
+                   "response_format": (None, {"type": "text"})}
+
+
+def wants_usage_chunk(doc: dict) -> bool:
+    """OpenAI's ``stream_options: {"include_usage": true}``: a last chunk with usage."""
+    opts = doc.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadRequest(f"field 'stream_options' must be an object, got {json.dumps(opts)}")
+    return bool((opts or {}).get("include_usage", False))
 
 
 def _openai_common(doc: dict) -> None:
@@ -185,6 +195,11 @@ def chat_chunk(rid: str, model: str, delta: dict, reason: str | None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "delta": delta,
                                          "finish_reason": openai_finish(reason)}]}
+
+
+def usage_chunk(rid: str, model: str, obj: str, pt: int, ct: int) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(pt, ct)}
 
 
 def sse(obj: dict | str) -> bytes:

@@ -255,28 +255,43 @@ class LLMServer:
                              "usage": api.usage(len(ids), len(out)),
                              "ttft_s": handle.ttft_s})
 
+    def _sse_tail(self, doc: dict, rid: str, obj: str, n_prompt: int) -> Callable[[Any], bytes]:
+        """The end of an SSE stream: an optional usage chunk, then [DONE]."""
+        with_usage = api.wants_usage_chunk(doc)
+
+        def tail(h) -> bytes:
+            out = b""
+            if with_usage:
+                out += api.sse(api.usage_chunk(rid, self.model_name, obj, n_prompt, h.n_tokens))
+            return out + api.sse("[DONE]")
+        return tail
+
     async def _completions(self, request: Request) -> Response:
-        prompt, params, stream = api.parse_completion(api.parse_json(await request.body()))
+        doc = api.parse_json(await request.body())
+        prompt, params, stream = api.parse_completion(doc)
         ids = self._encode(prompt)
-        handle = await self._submit(ids, params)
         rid, model = api.new_id("cmpl"), self.model_name
+        tail = self._sse_tail(doc, rid, "text_completion", len(ids))  # validates stream_options
+        handle = await self._submit(ids, params)
         if stream:
             return StreamingResponse(self._stream(
                 handle, lambda ch: api.sse(api.completion_chunk(rid, model, ch.text, ch.finish_reason)),
-                lambda h: api.sse("[DONE]")), media_type="text/event-stream")
+                tail), media_type="text/event-stream")
         text, out, reason = await self._run(handle)
         return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)))
 
     async def _chat(self, request: Request) -> Response:
-        messages, params, stream = api.parse_chat(api.parse_json(await request.body()))
+        doc = api.parse_json(await request.body())
+        messages, params, stream = api.parse_chat(doc)
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except ValueError as e:  # no template, or the template rejected the messages
             raise api.BadRequest(str(e)) from e
         except Exception as e:  # jinja2 raises its own types for a template's raise_exception
             raise api.BadRequest(f"chat template rejected the messages: {e}") from e
-        handle = await self._submit(ids, params)
         rid, model = api.new_id("chatcmpl"), self.model_name
+        tail = self._sse_tail(doc, rid, "chat.completion.chunk", len(ids))
+        handle = await self._submit(ids, params)
         if stream:
             first = [True]
 
@@ -289,7 +304,7 @@ class LLMServer:
                     delta = {"content": ch.text} if ch.text else {}
                     out += api.sse(api.chat_chunk(rid, model, delta, ch.finish_reason))
                 return out
-            return StreamingResponse(self._stream(handle, render, lambda h: api.sse("[DONE]")),
+            return StreamingResponse(self._stream(handle, render, tail),
                                      media_type="text/event-stream")
         text, out, reason = await self._run(handle)
         return JSONResponse(api.chat_body(rid, model, text, reason, len(ids), len(out)))

@@ -101,6 +101,17 @@ def test_openai_completion_and_chat_shapes(client):
     assert models["data"][0]["id"] == "tiny"
 
 
+def test_stream_options_include_usage(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": "m", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "hello"}]}) as r:
+        events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    assert last["usage"]["prompt_tokens"] > 0
+
+
 def test_chat_streams_sse_with_done(client):
     with client.stream("POST", "/v1/chat/completions", json={
             "model": "m", "max_tokens": 5, "stream": True,
@@ -132,6 +143,14 @@ def test_chat_streams_sse_with_done(client):
      "chat template rejected the messages: unknown role: robot"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400,
      "field 'max_tokens' must be an int >= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "field 'tools'=[{"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400,
+     "field 'response_format'"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": 3}, 400,
+     "field 'stream_options' must be an object"),
     ("/nope", {}, 404, "no route /nope"),
 ])
 def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
