@@ -455,61 +455,8 @@ def model_files(model: Path) -> list[Path]:
     return sorted(p for p in model.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-_libc: ctypes.CDLL | None = None
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        if name is None:
-            return None
-        lib = ctypes.CDLL(name, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_int, ctypes.c_long]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-        _libc = lib
-    return _libc
-
-
-# translate table: each mincore byte -> its residency bit (the other bits are reserved)
-_LOW_BIT = bytes(b & 1 for b in range(256))
-
-
-def resident_bytes(path: Path, offset: int = 0, length: int | None = None) -> int | None:
-    """How many bytes of `path[offset:offset+length]` are in the page cache, via
-    mincore(2) on a fresh read-only mapping (mapping does not fault pages in).
-    None where mincore or mmap is not available (non-Linux, some sandboxes)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = _load_libc()
-    if libc is None:
-        return None
-    size = path.stat().st_size
-    length = size - offset if length is None else min(length, size - offset)
-    if length <= 0:
-        return 0
-    page = mmap.PAGESIZE
-    start = offset - offset % page
-    span = offset + length - start
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            npages = (span + page - 1) // page
-            vec = (ctypes.c_ubyte * npages)()
-            if libc.mincore(ctypes.c_void_p(addr), span, vec) != 0:
-                return None
-            resident = bytes(vec).translate(_LOW_BIT).count(1)
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), span)
-    finally:
-        os.close(fd)
-    return min(resident * page, length)
+# mincore(2) residency lives with the read-ahead hint, which the loader also uses
+from weights.readahead import resident_bytes  # noqa: E402  (stdlib only, no torch)
 
 
 def page_cache_fraction(paths: Sequence[Path], limit: int | None = None) -> float | None:

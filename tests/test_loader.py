@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -65,6 +66,8 @@ def test_check_fits_message():
     (dict(threads=0), "threads=0 must be at least 1"),
     (dict(read_bytes=1000), "read_bytes=1000 must be a positive multiple of 4096"),
     (dict(slots_per_thread=0), "slots_per_thread=0 must be at least 1"),
+    (dict(cold_read_bytes=5000), "cold_read_bytes=5000 must be a positive multiple of 4096"),
+    (dict(cold_threads=0), "cold_threads=0 must be at least 1"),
 ])
 def test_load_options_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -136,3 +139,32 @@ def test_gpu_out_of_memory_refused(tiny_packed):
     free, _ = torch.cuda.mem_get_info()
     with pytest.raises(DeviceMemoryError, match=r"GiB of headroom on cuda:\d, which has"):
         load(tiny_packed, "cuda", options=LoadOptions(headroom_bytes=free))
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_load_settings_follow_the_page_cache(small_hf, tmp_path):
+    from weights.loader import _settings_for_cache
+    from weights.readahead import resident_fraction
+
+    dest = pack(small_hf, tmp_path / "p", PackOptions(progress=False))
+    pf = read_packed(dest)
+    (dest / "model.cst").read_bytes()  # in the page cache
+    warm = resident_fraction(pf.path, pf.data_offset, pf.data_bytes)
+    if warm is None:
+        pytest.skip("mincore(2) is not available here")
+    opts = LoadOptions()
+    assert warm > 0.9 and _settings_for_cache(pf, opts) == opts
+    _evict(pf.path)
+    cold = resident_fraction(pf.path, pf.data_offset, pf.data_bytes)
+    if cold >= 0.5:
+        pytest.skip("this kernel kept the pages despite POSIX_FADV_DONTNEED")
+    chosen = _settings_for_cache(pf, opts)
+    assert (chosen.threads, chosen.read_bytes) == (opts.cold_threads, opts.cold_read_bytes)
