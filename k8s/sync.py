@@ -44,16 +44,22 @@ def serve_applications(serve_config: Path = SERVE_CONFIG) -> list[dict[str, Any]
     return cfg["applications"]
 
 
+GPU_MAX_SEQ_LEN = 4096
+
+
 def gpu_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
     """serve_config for GPU nodes: every deployment that has a `num_gpus` knob gets one
     GPU (one replica per GPU) and 4 CPUs (the loader's reader threads), `args.model`
-    points at the mounted model, and the proxies listen on all interfaces (inside
+    points at the mounted model with a 4096-token context, and the proxies listen on all interfaces (inside
     a container 127.0.0.1 is unreachable from outside)."""
     cfg = copy.deepcopy(cfg)
     cfg.setdefault("http_options", {})["host"] = "0.0.0.0"
     for app in cfg["applications"]:
         if "model" in (app.get("args") or {}):
             app["args"]["model"] = GPU_MODEL
+            # a 7B model's full context: 8 slots x 4096 tokens is 16 GiB of fp16 KV cache,
+            # which fits beside 13.5 GB of weights on a 40 GB A100
+            app["args"].setdefault("engine", {})["max_seq_len"] = GPU_MAX_SEQ_LEN
         for dep in app.get("deployments", []):
             opts = dep.get("ray_actor_options") or {}
             if "num_gpus" in opts:

@@ -244,7 +244,7 @@ def test_rayservice_serves_the_same_application_as_serve_config():
         "serve_config.gpu.yaml differs from serve_config.yaml: run python k8s/sync.py"
 
 
-def test_gpu_overlay_changes_only_gpus_model_and_host():
+def test_gpu_overlay_changes_only_gpus_model_context_and_host():
     sync = load_sync()
     base = serve_config()
     gpu = sync.gpu_overlay(base)
@@ -252,6 +252,7 @@ def test_gpu_overlay_changes_only_gpus_model_and_host():
     for a, b in zip(base["applications"], gpu["applications"], strict=True):
         if "model" in (a.get("args") or {}):
             assert b["args"]["model"] == sync.GPU_MODEL
+            assert b["args"]["engine"]["max_seq_len"] == sync.GPU_MAX_SEQ_LEN
         for da, db in zip(a.get("deployments", []), b.get("deployments", []), strict=True):
             oa, ob = da.get("ray_actor_options") or {}, db.get("ray_actor_options") or {}
             if "num_gpus" in oa:
@@ -260,8 +261,12 @@ def test_gpu_overlay_changes_only_gpus_model_and_host():
             assert strip(da) == strip(db), "only ray_actor_options may differ"
         strip_args = lambda x: {k: v for k, v in x.items() if k not in ("args", "deployments")}  # noqa: E731
         assert strip_args(a) == strip_args(b)
-        assert {k: v for k, v in (a.get("args") or {}).items() if k != "model"} == \
-            {k: v for k, v in (b.get("args") or {}).items() if k != "model"}
+        def other_args(x):
+            args = {k: v for k, v in (x.get("args") or {}).items() if k != "model"}
+            if "engine" in args:
+                args["engine"] = {k: v for k, v in args["engine"].items() if k != "max_seq_len"}
+            return args
+        assert other_args(a) == other_args(b)
     assert base == serve_config(), "the overlay must not modify its input"
 
 
