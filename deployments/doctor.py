@@ -22,7 +22,6 @@ import argparse
 import ctypes
 import ctypes.util
 import json
-import mmap
 import os
 import queue
 import re
