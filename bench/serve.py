@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.load import ensure_checkpoint, warm_cache  # noqa: E402
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
 BASE = "http://127.0.0.1:8000"
@@ -114,15 +115,6 @@ def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
-
-
-def read_all(*dirs: Path) -> None:
-    for d in dirs:
-        for f in sorted(d.iterdir()):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    while fh.read(64 << 20):
-                        pass
 
 
 def measure(name: str, app, url_path: str, body: dict | None) -> dict:
@@ -275,7 +267,6 @@ def main() -> None:
     if a.hf and a.packed:
         hf, packed = Path(a.hf), Path(a.packed)
     else:
-        from bench.load import ensure_checkpoint
         hf, packed, prep = ensure_checkpoint(Path(a.work), "llama-7b")
         print(f"prepared {prep}", flush=True)
     t0 = time.perf_counter()
@@ -306,13 +297,14 @@ def main() -> None:
         print(f"{cache} page cache:", flush=True)
         for kind, run in kinds.items():
             if cache == "warm":
-                read_all(packed, hf)  # warm means the weights are in the page cache
+                warm_cache(packed)  # warm means the weights are in the page cache
+                warm_cache(hf)
             else:
                 drop_caches()
             res[cache][kind] = run(cache)
 
     if a.scale_up:
-        read_all(packed)
+        warm_cache(packed)
         res["scale_up"] = scale_up(packed, a.num_gpus, "cuda" if a.num_gpus else "cpu")
     summary: dict = {}
     if "scale_up" in res:
