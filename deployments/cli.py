@@ -71,12 +71,29 @@ def ensure_demo(dest: Path = DEMO_DIR, shape: str = "tiny") -> Path:
     return dest
 
 
+def with_gpus(config_text: str, gpus: float) -> str:
+    """The serve config with ``num_gpus`` set for every deployment's replicas."""
+    import yaml
+    cfg = yaml.safe_load(config_text)
+    for app in cfg.get("applications", []):
+        for dep in app.get("deployments", []):
+            (dep.setdefault("ray_actor_options", {}) or {})["num_gpus"] = gpus
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     ensure_demo()
     serve = str(Path(sys.executable).with_name("serve"))
     if not Path(serve).exists():
         serve = shutil.which("serve") or serve
-    cmd = [serve, "run", a.config, *a.serve_args]
+    config = a.config
+    if a.gpus is not None:
+        # a derived copy: relative paths in it are taken from here (cwd), as the original's
+        derived = Path(tempfile.gettempdir()) / f"coldstart-serve-{os.getpid()}.yaml"
+        derived.write_text(with_gpus(Path(a.config).read_text(), a.gpus))
+        print(f"{a.config} with num_gpus={a.gpus} per replica: {derived}", flush=True)
+        config = str(derived)
+    cmd = [serve, "run", config, *a.serve_args]
     print("+ " + " ".join(cmd), flush=True)
     os.execv(cmd[0], cmd)  # serve run takes over this process (and its Ctrl-C)
     return 0
@@ -111,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("serve", help="make the demo model if absent, then `serve run` the config")
+    p.add_argument("--gpus", type=float, default=None,
+                   help="GPUs per replica (the default config asks for none: CPU)")
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)
