@@ -13,7 +13,7 @@ from typing import Any
 
 from ray import serve
 
-from deployments.config import DeploymentArgs, WarmupPlan
+from deployments.config import DeploymentArgs
 from deployments.metrics import Metrics
 from deployments.server import LLMServer
 
@@ -48,6 +48,5 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     a = DeploymentArgs.from_dict(args)
     # resolve a relative model path where `serve run` was started, not in the replica
     a.model = str(a.model_path())
-    WarmupPlan()  # the default plan must be valid
     return LLMDeployment.bind(model=a.model, model_name=a.model_name, device=a.device,
                               engine=a.engine, load=a.load, fault_injection=a.fault_injection)

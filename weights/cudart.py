@@ -42,7 +42,6 @@ class CudaRT:
             "cudaEventRecord": [c.c_void_p, c.c_void_p],
             "cudaEventSynchronize": [c.c_void_p],
             "cudaEventDestroy": [c.c_void_p],
-            "cudaStreamSynchronize": [c.c_void_p],
             "cudaGetErrorString": [c.c_int],
         }
         for name, args in sigs.items():
@@ -99,9 +98,6 @@ class CudaRT:
 
     def destroy(self, event: int) -> None:
         self._check(self.lib.cudaEventDestroy(event), "cudaEventDestroy")
-
-    def sync_stream(self, stream: int) -> None:
-        self._check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
 
 def host_view(ptr: int, nbytes: int) -> memoryview:

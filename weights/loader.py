@@ -80,10 +80,6 @@ class LoadOptions:
         if self.slots_per_thread < 1:
             raise ValueError(f"slots_per_thread={self.slots_per_thread} must be at least 1")
 
-    @property
-    def ring_bytes(self) -> int:
-        return self.threads * self.slots_per_thread * self.read_bytes
-
 
 @dataclass
 class LoadedModel:
@@ -311,7 +307,7 @@ class _Slots:
     """
 
     def __init__(self, rt, dev: torch.device, buffer: torch.Tensor, n: int, step: int):
-        self.rt, self.buffer, self.n, self.step = rt, buffer, n, step
+        self.rt, self.buffer = rt, buffer
         self.stream = torch.cuda.Stream(dev)
         if rt is not None:
             from .cudart import host_view
