@@ -77,7 +77,8 @@ def with_gpus(config_text: str, gpus: float) -> str:
     cfg = yaml.safe_load(config_text)
     for app in cfg.get("applications", []):
         for dep in app.get("deployments", []):
-            (dep.setdefault("ray_actor_options", {}) or {})["num_gpus"] = gpus
+            # `ray_actor_options:` left empty in YAML is None: replace it, don't drop the setting
+            dep["ray_actor_options"] = {**(dep.get("ray_actor_options") or {}), "num_gpus": gpus}
     return yaml.safe_dump(cfg, sort_keys=False)
 
 

@@ -60,3 +60,9 @@ def test_serve_arguments():
 def test_doctor_keeps_its_own_flags():
     r = _cli("doctor", "--help")
     assert r.returncode == 0 and "--require-gpu" in r.stdout
+
+
+def test_serve_gpus_fills_an_empty_ray_actor_options():
+    text = "applications:\n- name: a\n  deployments:\n  - name: d\n    ray_actor_options:\n"
+    cfg = yaml.safe_load(with_gpus(text, 1))
+    assert cfg["applications"][0]["deployments"][0]["ray_actor_options"] == {"num_gpus": 1}
