@@ -43,21 +43,27 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     # which driver pieces to mount (compute = libcuda, utility = nvidia-smi).
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    COLDSTART_MODEL_ROOT=/models
+    COLDSTART_MODEL_ROOT=/models \
+    # Triton's compiled decode kernels: mount a volume here so a new container
+    # reuses them instead of compiling at its first start.
+    TRITON_CACHE_DIR=/var/cache/coldstart/triton
 
-# rsync only: the Ray cluster launcher copies its bootstrap files and file_mounts
-# into the container with `rsync -e "docker exec"`. No CUDA packages from apt.
+# rsync: the Ray cluster launcher copies its bootstrap files and file_mounts into
+# the container with `rsync -e "docker exec"`. gcc + libc6-dev: Triton builds its
+# small kernel-launcher stubs with the system C compiler at the first start
+# (without them the fused decode kernels turn themselves off and plain torch runs).
+# No CUDA packages from apt.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends rsync \
+    && apt-get install -y --no-install-recommends rsync gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # torch with its bundled CUDA libraries: pinned, alone in its layer.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 RUN useradd --create-home --uid 1000 --shell /usr/sbin/nologin coldstart \
-    && mkdir -p /models \
-    && chown coldstart:coldstart /models
+    && mkdir -p /models /var/cache/coldstart/triton \
+    && chown coldstart:coldstart /models /var/cache/coldstart/triton
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -73,7 +79,7 @@ COPY --from=models --chown=coldstart:coldstart / /models/${MODEL_NAME}/
 
 # numeric, so Kubernetes runAsNonRoot can verify it without /etc/passwd
 USER 1000:1000
-VOLUME ["/models"]
+VOLUME ["/models", "/var/cache/coldstart/triton"]
 # 8000: Serve HTTP proxy; 8265: Ray dashboard; 8080: Ray metrics export
 EXPOSE 8000 8265 8080
 

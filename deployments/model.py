@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deployments import kernels
 from deployments.model_config import (NATIVE_ARCHITECTURES, ModelConfig, architecture,  # noqa: F401
                                       rope_inv_freq)
 
@@ -66,6 +67,7 @@ class AttnContext:
     positions: torch.Tensor | None = None  # decode: [B] int64
     rows: torch.Tensor | None = None  # decode: arange(B)
     kv_len: int = 0  # decode: keys read from the cache
+    fused: bool = False  # use deployments.kernels (CUDA with Triton)
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +81,16 @@ class RMSNorm(nn.Module):
         # decode is bound by kernel count. HF rounds to the input dtype before the weight
         # multiply; this rounds once after it (<= 1 ulp apart in fp16/bf16, equal in fp32).
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF's rotate-half convention. x: [B, S, heads, Dh].
+
+    rotate_half(x) * sin == swap_halves(x) * [-sin | sin]: 3 kernels instead of 5 (cat,
+    unlike roll, reads a strided x without first making it contiguous).
+    """
+    h = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[..., h:], x[..., :h]), dim=-1), sin)
 
 
 class Attention(nn.Module):
@@ -119,25 +131,39 @@ class Attention(nn.Module):
         k3 = k.reshape(B * self.n_kv, L, self.head_dim)  # a view: slot and head dims merge
         v3 = v.reshape(B * self.n_kv, L, self.head_dim)
         scores = torch.baddbmm(mask_add, qg, k3.transpose(1, 2), alpha=self.scale)  # [B*Hkv, G, L]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1)  # accumulates in fp32 inside, one kernel
         out = torch.bmm(probs, v3)  # [B*Hkv, G, Dh]
         return out.view(B, self.n_heads, 1, self.head_dim)
+
+    def _decode_fused(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        # one Triton kernel ropes q and k and writes k, v into the cache (8 torch kernels otherwise)
+        B, H, Dh = x.shape[0], self.n_heads, self.head_dim
+        qkv = F.linear(x.view(B, -1), self.qkv_w, self.qkv_b)  # [B, (H + 2 Hkv) Dh]
+        kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
+        q = kernels.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
+                                  H, self.n_kv, Dh)  # [B, H, Dh]
+        mask = ctx.masks.get(self.window) if ctx.masks else None
+        out = self._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
+        return self.o_proj(out.view(B, 1, H * Dh))
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # x: [B, S, D]
         B, S, _ = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
+        if ctx.mode == "decode" and ctx.fused and self.qkv_w is not None:
+            return self._decode_fused(x, ctx)
+        cos, sin = ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2)  # [B, S, 1, Dh]; sin sign-folded
         if self.qkv_w is not None:
-            q, k, v = F.linear(x, self.qkv_w, self.qkv_b).split(self.splits, dim=-1)  # [B, S, *]
+            qkv = F.linear(x, self.qkv_w, self.qkv_b)  # [B, S, (H + 2 Hkv) Dh]
+            # q and k lie side by side: rotate both heads' sets in one pass
+            qk = _rope(qkv[..., : (H + Hkv) * Dh].view(B, S, H + Hkv, Dh), cos, sin)
+            q, k = qk[:, :, :H], qk[:, :, H:]
+            v = qkv[..., (H + Hkv) * Dh :].view(B, S, Hkv, Dh)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-        k = k.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, S, Dh]
-        v = v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
-        # rotate_half(x) * sin == roll(x, Dh/2) * [-sin | sin]: 3 kernels instead of 5
-        cos, sin = ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1)  # [B, 1, S, Dh]; sin sign-folded
-        half = self.head_dim // 2
-        q = torch.addcmul(q * cos, q.roll(half, dims=-1), sin)
-        k = torch.addcmul(k * cos, k.roll(half, dims=-1), sin)
+            q = _rope(self.q_proj(x).view(B, S, H, Dh), cos, sin)
+            k = _rope(self.k_proj(x).view(B, S, Hkv, Dh), cos, sin)
+            v = self.v_proj(x).view(B, S, Hkv, Dh)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, Dh] views
         mask = ctx.masks.get(self.window) if ctx.masks else None
         if ctx.mode == "nocache":
             out = self._sdpa(q, k, v, mask)
@@ -169,7 +195,9 @@ class MLP(nn.Module):
         self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
         self.gate_up_b: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and self.gate_up_w is not None:
+            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up_w, self.gate_up_b)))
         if self.gate_up_w is not None:
             gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
         else:
@@ -212,6 +240,7 @@ class Transformer(nn.Module):
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
+        self.use_kernels = False  # set by build_native: Triton kernels on CUDA (deployments.kernels)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -231,7 +260,7 @@ class Transformer(nn.Module):
         t = torch.arange(max_seq_len, device=self.device, dtype=torch.float32)
         emb = torch.outer(t, inv)
         self._cos = torch.cat((emb, emb), dim=-1).cos().to(self.dtype)  # [T, Dh]
-        self._sin = torch.cat((-emb.sin(), emb.sin()), dim=-1).to(self.dtype)  # sign folded for roll
+        self._sin = torch.cat((-emb.sin(), emb.sin()), dim=-1).to(self.dtype)  # sign folded for the half swap
         self.rope_len = max_seq_len
 
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
@@ -256,9 +285,21 @@ class Transformer(nn.Module):
 
     def _run(self, tokens: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)  # [B, S, D]
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+        if not self.use_kernels:
+            for layer in self.model.layers:
+                x = layer(x, ctx)
+            return self.model.norm(x)
+        # Triton path: each residual add is fused into the RMSNorm that follows it
+        ctx.fused = True
+        layers, eps = self.model.layers, self.config.rms_norm_eps
+        h, res = layers[0].input_layernorm(x), x
+        for i, layer in enumerate(layers):
+            a = layer.self_attn(h, ctx)
+            h, res = kernels.add_rms_norm(a, res, layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp(h, fused=True)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, res = kernels.add_rms_norm(m, res, nxt.weight, eps)
+        return h
 
     def _check_len(self, n: int) -> None:
         if n > self.rope_len:
@@ -361,6 +402,22 @@ def fuse_projections(model: Transformer) -> int:
     return n
 
 
+def _kernels_usable(model: Transformer) -> bool:
+    """Whether the fused Triton kernels may run this model (CUDA, one dtype, and a
+    launch at its sizes that compiled and matched torch)."""
+    if not kernels.available(model.device):
+        return False
+    if any(t.dtype != model.dtype for t in model.parameters()):
+        log.warning("fused Triton kernels off: the checkpoint mixes dtypes")
+        return False
+    c = model.config
+    why = kernels.self_test(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                            c.head_dim, model.dtype, model.device)
+    if why:
+        log.warning("fused Triton kernels off (%s): decoding with torch kernels", why)
+    return why is None
+
+
 def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
@@ -406,6 +463,8 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         model.lm_head.weight = model.model.embed_tokens.weight
     fused = fuse_projections(model)
     log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
+    model.use_kernels = _kernels_usable(model)
+    log.info("decode kernels: %s", "Triton (fused norm, SwiGLU, rope + KV write)" if model.use_kernels else "torch")
     model.eval()
     model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
     return model

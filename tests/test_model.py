@@ -213,10 +213,16 @@ def test_packed_checkpoint_fuses_projections_without_copies_and_matches_transfor
     tokens = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(model, tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)
     # and through the engine's cached prefill / decode, batched: greedy equals transformers'
+    _engine_greedy_equals_transformers(model, hf)
+
+
+def _engine_greedy_equals_transformers(model, hf) -> None:
     from deployments.engine import Engine, EngineConfig, SamplingParams
     eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
     eng.start()
     try:
+        if model.device.type == "cuda":
+            assert eng.stats()["graphs"] > 0
         prompts = [[3, 5, 7, 11, 13], [9] * 7]
         hs = [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
               for p in prompts]
@@ -236,3 +242,46 @@ def test_adjacent_view_refuses_tensors_that_are_not_back_to_back():
     assert adjacent_view([a, buf[12:20].view(2, 4)]) is None     # a gap
     assert adjacent_view([b, a]) is None                         # wrong order
     assert adjacent_view([a, torch.zeros(2, 4)]) is None         # another storage
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen2-untied", "mistral-window"])
+def test_triton_decode_path_matches_transformers_on_the_gpu(case, tmp_path):
+    """Packed model on CUDA: the fused kernels (norm, SwiGLU, rope + KV write) inside CUDA
+    graphs give transformers' greedy tokens, and the same logits as the torch path."""
+    from deployments import kernels
+    from weights import PackOptions, load, pack
+
+    pytest.importorskip("triton")
+    arch, kw = CASES[case]
+    hf, cfg = hf_model(arch, **kw)
+    hf.save_pretrained(tmp_path / "hf")
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
+    model = build_model(m.config, m.tensors)
+    assert model.use_kernels and kernels.available("cuda")
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(2)).cuda()
+    fused = model(tokens)
+    model.use_kernels = False
+    torch.testing.assert_close(fused, model(tokens), atol=1e-4, rtol=1e-4)
+    model.use_kernels = True
+    _engine_greedy_equals_transformers(model, hf)
+
+
+def test_model_decodes_with_torch_kernels_when_triton_fails(monkeypatch, caplog):
+    """A Triton that cannot compile (no C compiler in the image, say) must not stop the
+    replica: the self-test at build time catches it and the torch path serves."""
+    from deployments import kernels
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "_launch_add_rms_norm", no_compiler)
+    hf, cfg = hf_model("llama")
+    with caplog.at_level("WARNING", logger="deployments.model"):
+        model = build_model(cfg, state_tensors(hf))
+    assert not model.use_kernels
+    assert "fused Triton kernels off (RuntimeError: Failed to find C compiler" in caplog.text
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(model(tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,355 @@
+"""deployments.kernels: the torch references against plain torch, the fallback and input checks,
+the Triton kernels under the Triton interpreter (on CPU), and on CUDA (incl. inside a CUDA graph).
+
+Triton reads TRITON_INTERPRET when it is first imported (its own library functions are
+decorated then), so the interpreter cases cannot share a process with compiled kernels:
+`test_triton_interpreter` reruns the `test_interp_*` cases of this file in a fresh
+process with TRITON_INTERPRET=1 (or run `TRITON_INTERPRET=1 pytest tests/test_kernels.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import gpu
+from deployments import kernels
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# fp32: tight; fp16/bf16: about 2 ulps (rtol = 2 * eps) with a small atol for values near 0.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=1e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+EPS = 1e-6
+
+NORM_SHAPES = [(1, 64), (3, 4096), (3, 4100), (2, 5, 96)]
+SILU_SHAPES = [(1, 2 * 64), (3, 2 * 4100), (2, 3, 2 * 11)]
+# (B, n_heads, n_kv, head_dim, qkv row padding): MHA, GQA, head_dim 64/128, and 80 (half not a power of 2)
+ROPE_CASES = [(1, 4, 4, 64, 0), (3, 8, 2, 128, 16), (3, 6, 2, 64, 8), (2, 4, 2, 80, 0)]
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype: torch.dtype, g: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+def _norm_inputs(shape, dtype, device="cpu", seed=0, pad=0):
+    """x (rows padded when `pad`: a strided row view), residual, weight."""
+    g = _gen(seed)
+    D = shape[-1]
+    x = _randn(*shape[:-1], D + pad, dtype=dtype, g=g, device=device)[..., :D]
+    return x, _randn(*shape, dtype=dtype, g=g, device=device), _randn(D, dtype=dtype, g=g, device=device)
+
+
+def _rope_inputs(B, H, Hkv, Dh, pad, dtype, device="cpu", T=32, slots=None, seed=0):
+    """qkv, cos, sign-folded sin, k_cache, v_cache, positions (distinct) and the plain HF sin."""
+    g = _gen(seed)
+    width = (H + 2 * Hkv) * Dh
+    qkv = _randn(B, width + pad, dtype=dtype, g=g, device=device)[:, :width]
+    positions = torch.randperm(T, generator=g)[:B].to(device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, Dh, 2, dtype=torch.float32) / Dh))
+    freqs = positions.cpu().float()[:, None] * inv_freq[None]  # [B, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # HF order
+    cos, sin = emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    h = Dh // 2
+    sin_folded = torch.cat((-sin[:, :h], sin[:, h:]), dim=-1)
+    k_cache = _randn(slots or B + 1, Hkv, T, Dh, dtype=dtype, g=g, device=device)
+    v_cache = _randn(slots or B + 1, Hkv, T, Dh, dtype=dtype, g=g, device=device)
+    return qkv, cos, sin_folded, k_cache, v_cache, positions, sin
+
+
+# ----------------------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_ref_add_rms_norm(shape, dtype):
+    x, r, w = _norm_inputs(shape, dtype, pad=3)
+    normed, summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+    expect_sum = x + r
+    assert torch.equal(summed, expect_sum)
+    s = expect_sum.double()
+    expect = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS) * w.double()).to(dtype)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    torch.testing.assert_close(normed, expect, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+def test_ref_silu_mul(shape, dtype):
+    n = shape[-1] // 2
+    gate_up = _randn(*shape[:-1], 2 * n + 5, dtype=dtype, g=_gen())[..., : 2 * n]  # strided rows
+    out = kernels._ref_silu_mul(gate_up)
+    g, u = gate_up[..., :n].double(), gate_up[..., n:].double()
+    assert out.dtype == dtype and out.shape == (*shape[:-1], n)
+    torch.testing.assert_close(out, (g * torch.sigmoid(g) * u).to(dtype), **TOL[dtype])
+
+
+def _hf_rope_longhand(qkv, cos, sin, k_cache, v_cache, positions, H, Hkv, Dh):
+    """HF's x*cos + rotate_half(x)*sin, head by head in fp64, and the cache writes as plain indexing."""
+    def rotate_half(x):
+        return torch.cat((-x[Dh // 2:], x[: Dh // 2]))
+
+    q = torch.empty(qkv.shape[0], H, Dh, dtype=qkv.dtype)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    for b in range(qkv.shape[0]):
+        c, s, p = cos[b].double(), sin[b].double(), int(positions[b])
+        for h in range(H):
+            x = qkv[b, h * Dh : (h + 1) * Dh].double()
+            q[b, h] = (x * c + rotate_half(x) * s).to(qkv.dtype)
+        for j in range(Hkv):
+            x = qkv[b, (H + j) * Dh : (H + j + 1) * Dh].double()
+            kc[b, j, p] = (x * c + rotate_half(x) * s).to(qkv.dtype)
+            vc[b, j, p] = qkv[b, (H + Hkv + j) * Dh : (H + Hkv + j + 1) * Dh]
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_ref_rope_store_kv(case, dtype):
+    B, H, Hkv, Dh, pad = case
+    qkv, cos, sin_f, kc, vc, pos, sin = _rope_inputs(B, H, Hkv, Dh, pad, dtype)
+    expect_q, expect_k, expect_v = _hf_rope_longhand(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
+    q = kernels._ref_rope_store_kv(qkv, cos, sin_f, kc, vc, pos, H, Hkv, Dh)
+    assert q.shape == (B, H, Dh) and q.is_contiguous() and q.dtype == dtype
+    torch.testing.assert_close(q, expect_q, **TOL[dtype])
+    torch.testing.assert_close(kc, expect_k, **TOL[dtype])
+    assert torch.equal(vc, expect_v)
+
+
+# ----------------------------------------------------------------------------- public API on CPU
+
+
+def test_available(monkeypatch):
+    monkeypatch.delenv("COLDSTART_TRITON", raising=False)
+    assert not kernels.available("cpu") and not kernels.available(torch.device("cpu"))
+    assert kernels.available("cuda") == (kernels.triton is not None)
+    monkeypatch.setenv("COLDSTART_TRITON", "0")
+    assert not kernels.available("cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_public_functions_fall_back_on_cpu(dtype):
+    x, r, w = _norm_inputs((3, 4100), dtype)
+    normed, summed = kernels.add_rms_norm(x, r, w, EPS)
+    ref_normed, ref_summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+    assert torch.equal(normed, ref_normed) and torch.equal(summed, ref_summed)
+
+    gate_up = _randn(3, 2 * 4100, dtype=dtype, g=_gen(1))
+    assert torch.equal(kernels.silu_mul(gate_up), kernels._ref_silu_mul(gate_up))
+
+    qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(3, 8, 2, 128, 16, dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = kernels.rope_store_kv(qkv, cos, sin, kc, vc, pos, 8, 2, 128)
+    assert torch.equal(q, kernels._ref_rope_store_kv(qkv, cos, sin, kc2, vc2, pos, 8, 2, 128))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def _rope_call(**over):
+    B, H, Hkv, Dh, T = 2, 2, 1, 4, 5
+    args = dict(qkv=torch.randn(B, (H + 2 * Hkv) * Dh), cos=torch.randn(B, Dh), sin=torch.randn(B, Dh),
+                k_cache=torch.randn(3, Hkv, T, Dh), v_cache=torch.randn(3, Hkv, T, Dh),
+                positions=torch.tensor([0, 4]), n_heads=H, n_kv=Hkv, head_dim=Dh)
+    return lambda: kernels.rope_store_kv(**{**args, **over})
+
+
+def _norm_call(x=(2, 8), r=(2, 8), w=(8,), dtype=torch.float32, r_dtype=None, w_dtype=None):
+    return lambda: kernels.add_rms_norm(torch.randn(x).to(dtype), torch.randn(r).to(r_dtype or dtype),
+                                        torch.randn(w).to(w_dtype or dtype), EPS)
+
+
+BAD_INPUTS = [
+    pytest.param(_norm_call(dtype=torch.int64), "x", id="norm-x-int"),
+    pytest.param(lambda: kernels.add_rms_norm(torch.randn(8, 2).t(), torch.randn(2, 8), torch.randn(8), EPS),
+                 "x", id="norm-x-strided-last-dim"),
+    pytest.param(_norm_call(r=(2, 9)), "residual", id="norm-residual-shape"),
+    pytest.param(_norm_call(r_dtype=torch.float16), "residual", id="norm-residual-dtype"),
+    pytest.param(_norm_call(w=(9,)), "weight", id="norm-weight-shape"),
+    pytest.param(_norm_call(w_dtype=torch.bfloat16), "weight", id="norm-weight-dtype"),
+    pytest.param(lambda: kernels.silu_mul(torch.randn(2, 7)), "gate_up", id="silu-odd"),
+    pytest.param(lambda: kernels.silu_mul([1.0, 2.0]), "gate_up", id="silu-not-tensor"),
+    pytest.param(lambda: kernels.silu_mul(torch.randn(8, 2).t()), "gate_up", id="silu-strided-last-dim"),
+    pytest.param(_rope_call(qkv=torch.randn(2, 15)), "qkv", id="rope-qkv-width"),
+    pytest.param(_rope_call(qkv=torch.randn(2, 1, 16)), "qkv", id="rope-qkv-3d"),
+    pytest.param(_rope_call(cos=torch.randn(2, 1, 4)), "cos", id="rope-cos-shape"),
+    pytest.param(_rope_call(sin=torch.randn(2, 4, dtype=torch.float16)), "sin", id="rope-sin-dtype"),
+    pytest.param(_rope_call(k_cache=torch.randn(1, 1, 5, 4)), "k_cache", id="rope-k-cache-slots"),
+    pytest.param(_rope_call(k_cache=torch.randn(3, 1, 10, 4)[:, :, ::2]), "k_cache", id="rope-k-cache-strided"),
+    pytest.param(_rope_call(v_cache=torch.randn(3, 1, 6, 4)), "v_cache", id="rope-v-cache-shape"),
+    pytest.param(_rope_call(positions=torch.tensor([0, 4], dtype=torch.int32)), "positions", id="rope-pos-int32"),
+    pytest.param(_rope_call(positions=torch.tensor([0])), "positions", id="rope-pos-shape"),
+    pytest.param(_rope_call(positions=[0, 4]), "positions", id="rope-pos-list"),
+    pytest.param(_rope_call(head_dim=3, qkv=torch.randn(2, 12)), "head_dim", id="rope-head-dim-odd"),
+    pytest.param(_rope_call(n_kv=0), "n_kv", id="rope-n-kv-zero"),
+]
+
+
+@pytest.mark.parametrize("call, name", BAD_INPUTS)
+def test_bad_inputs_raise_naming_the_argument(call, name):
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        call()
+
+
+# ----------------------------------------------------------------------------- Triton interpreter
+
+
+@pytest.fixture
+def interp():
+    """kernels, with its Triton kernels interpreted (only in a TRITON_INTERPRET=1 process)."""
+    pytest.importorskip("triton")
+    if not INTERPRETED:
+        pytest.skip("runs in a TRITON_INTERPRET=1 process (test_triton_interpreter)")
+    return kernels
+
+
+def test_triton_interpreter():
+    """Reruns this file's test_interp_* cases in a fresh process with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter run")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0 and "skipped" not in summary, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _assert_rounded_like_torch(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Equal, except that the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): 1 ulp."""
+    if out.dtype == torch.bfloat16:
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_interp_add_rms_norm(interp, shape, dtype):
+    x, r, w = _norm_inputs(shape, dtype, pad=5)
+    normed, summed = interp._launch_add_rms_norm(x, r, w, EPS)
+    ref_normed, ref_summed = interp._ref_add_rms_norm(x, r, w, EPS)
+    assert normed.shape == summed.shape == x.shape and normed.is_contiguous() and summed.is_contiguous()
+    _assert_rounded_like_torch(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+def test_interp_silu_mul(interp, shape, dtype):
+    n = shape[-1] // 2
+    gate_up = _randn(*shape[:-1], 2 * n + 7, dtype=dtype, g=_gen(2))[..., : 2 * n]
+    out = interp._launch_silu_mul(gate_up)
+    assert out.shape == (*shape[:-1], n) and out.dtype == dtype
+    torch.testing.assert_close(out, interp._ref_silu_mul(gate_up), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_interp_rope_store_kv(interp, case, dtype):
+    B, H, Hkv, Dh, pad = case
+    qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(B, H, Hkv, Dh, pad, dtype)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    q = interp._launch_rope_store_kv(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
+    ref_q = interp._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, H, Hkv, Dh)
+    assert q.shape == (B, H, Dh) and q.is_contiguous()
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(kc, ref_kc, **TOL[dtype])  # written rows close, the rest untouched
+    assert torch.equal(vc, ref_vc)
+
+
+def test_interp_rope_skips_out_of_range_position(interp):
+    qkv, cos, sin, kc, vc, _, _ = _rope_inputs(2, 4, 2, 64, 0, torch.float32, T=8)
+    before_k, before_v = kc.clone(), vc.clone()
+    interp._launch_rope_store_kv(qkv, cos, sin, kc, vc, torch.tensor([3, 8]), 4, 2, 64)
+    assert torch.equal(kc[1:], before_k[1:]) and torch.equal(vc[1:], before_v[1:])  # row 1: position 8 >= T
+    assert not torch.equal(kc[0, :, 3], before_k[0, :, 3]) and torch.equal(vc[0, :, 3], qkv[0, 384:].view(2, 64))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+def _use_triton(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1: compiled kernels are not available in this process")
+    monkeypatch.delenv("COLDSTART_TRITON", raising=False)
+    assert kernels.available("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3, 64])
+def test_gpu_kernels_match_reference(monkeypatch, B, dtype):
+    _use_triton(monkeypatch)
+    x, r, w = _norm_inputs((B, 4096), dtype, device="cuda", pad=64)
+    normed, summed = kernels.add_rms_norm(x, r, w, EPS)
+    ref_normed, ref_summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+
+    gate_up = _randn(B, 2 * 14336 + 64, dtype=dtype, g=_gen(3), device="cuda")[:, : 2 * 14336]
+    torch.testing.assert_close(kernels.silu_mul(gate_up), kernels._ref_silu_mul(gate_up), **TOL[dtype])
+
+    qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(B, 32, 8, 128, 64, dtype, device="cuda", T=128, slots=80)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    q = kernels.rope_store_kv(qkv, cos, sin, kc, vc, pos, 32, 8, 128)
+    ref_q = kernels._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, 32, 8, 128)
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(kc, ref_kc, **TOL[dtype])
+    assert torch.equal(vc, ref_vc)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_kernels_in_cuda_graph(monkeypatch, dtype):
+    _use_triton(monkeypatch)
+    B, D, n, H, Hkv, Dh, T = 4, 4096, 1024, 8, 2, 128, 64
+    x, r, w = _norm_inputs((B, D), dtype, device="cuda")
+    gate_up = _randn(B, 2 * n, dtype=dtype, g=_gen(4), device="cuda")
+    qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(B, H, Hkv, Dh, 0, dtype, device="cuda", T=T)
+
+    def step():
+        return kernels.add_rms_norm(x, r, w, EPS), kernels.silu_mul(gate_up), \
+            kernels.rope_store_kv(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
+
+    side = torch.cuda.Stream()  # warm up (compiles) off the capture, as torch's docs do
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (normed, summed), act, q = step()
+
+    for seed in (10, 11):  # new inputs and positions each replay
+        x2, r2, _ = _norm_inputs((B, D), dtype, device="cuda", seed=seed)
+        x.copy_(x2), r.copy_(r2)
+        gate_up.copy_(_randn(B, 2 * n, dtype=dtype, g=_gen(seed), device="cuda"))
+        new = _rope_inputs(B, H, Hkv, Dh, 0, dtype, device="cuda", T=T, seed=seed)
+        for dst, src in zip((qkv, cos, sin, pos), (new[0], new[1], new[2], new[5])):
+            dst.copy_(src)
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_normed, ref_summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+        assert torch.equal(summed, ref_summed)
+        torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+        torch.testing.assert_close(act, kernels._ref_silu_mul(gate_up), **TOL[dtype])
+        ref_q = kernels._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, H, Hkv, Dh)
+        torch.testing.assert_close(q, ref_q, **TOL[dtype])
+        torch.testing.assert_close(kc, ref_kc, **TOL[dtype])
+        assert torch.equal(vc, ref_vc)
+
+
+def test_self_test_says_why_without_cuda():
+    why = kernels.self_test(64, 96, 4, 2, 16, torch.float32, "cpu")
+    assert why is not None and "not available" in why
