@@ -4,7 +4,7 @@
 is the application builder that serve_config.yaml points at, so operators set
 the model, device, engine and load options under ``args`` without code. The
 module imports no torch: a replica's process reaches the constructor (and
-its read-ahead hint) before paying for torch.
+its read-ahead) before paying for torch.
 """
 
 from __future__ import annotations

@@ -87,11 +87,13 @@ def test_missing_packed_file(tmp_path):
 # ---- GPU: run on the GPU machine ----
 
 @gpu
-@pytest.mark.parametrize("threads, read_bytes", [(1, 4096), (3, 12288), (16, 8 << 20)])
-def test_gpu_bit_exact(small_hf, tmp_path_factory, threads, read_bytes):
+@pytest.mark.parametrize("threads, read_bytes, direct", [(1, 4096, False), (3, 12288, False),
+                                                         (16, 8 << 20, False), (3, 12288, True)])
+def test_gpu_bit_exact(small_hf, tmp_path_factory, threads, read_bytes, direct):
     dest = tmp_path_factory.mktemp("g") / "p"
     pack(small_hf, dest, PackOptions(chunk_bytes=65536, progress=False))
-    m = load(dest, "cuda", options=LoadOptions(threads=threads, read_bytes=read_bytes))
+    m = load(dest, "cuda", options=LoadOptions(threads=threads, read_bytes=read_bytes, direct_io=direct,
+                                               adapt=False))
     src = _source(small_hf)
     assert set(m.tensors) == set(src)
     for name, t in src.items():
@@ -168,3 +170,33 @@ def test_load_settings_follow_the_page_cache(small_hf, tmp_path):
         pytest.skip("this kernel kept the pages despite POSIX_FADV_DONTNEED")
     chosen = _settings_for_cache(pf, opts)
     assert (chosen.threads, chosen.read_bytes) == (opts.cold_threads, opts.cold_read_bytes)
+
+
+def test_prefetch_reads_the_whole_file_into_the_page_cache(tmp_path):
+    """One WILLNEED over a whole file reads only read_ahead_kb of it on Linux; the
+    prefetch must bring in every byte, while the caller goes on."""
+    import time
+
+    from weights.readahead import prefetch, resident_bytes
+
+    f = tmp_path / "model.cst"
+    size = 48 << 20
+    with open(f, "wb") as fh:
+        fh.write(os.urandom(size))
+        fh.flush()
+        os.fsync(fh.fileno())
+    _evict(f)
+    before = resident_bytes(f, 0, size)
+    if before is None:
+        pytest.skip("mincore(2) is not available here")
+    if before > size // 2:
+        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    t0 = time.perf_counter()
+    proc = prefetch(f)
+    assert proc is not None and time.perf_counter() - t0 < 1.0  # returns at once
+    assert prefetch(tmp_path) is proc  # the directory's model.cst: the same helper
+    assert proc.wait(timeout=60) == 0
+    deadline = time.time() + 30
+    while resident_bytes(f, 0, size) < size and time.time() < deadline:
+        time.sleep(0.05)
+    assert resident_bytes(f, 0, size) == size

@@ -6,7 +6,7 @@ Public API::
     verify(dest) -> VerifyReport          structure + every chunk checksum
     read_packed(dest) -> PackedFile       preamble + index only (reads no data)
     load(dest, device) -> LoadedModel     one device buffer, tensors as views
-    prefetch(dest)                        read-ahead hint, no torch import
+    prefetch(dest)                        read-ahead into the page cache, no torch import
     make_demo(dest, shape)                a random Llama checkpoint in HF format
 
 ``weights.readahead`` and ``weights.format`` import no torch; the rest import it

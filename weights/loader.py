@@ -49,8 +49,11 @@ class LoadOptions:
         verify: check every chunk's checksum (on the device for GPU loads).
         cold_threads, cold_read_bytes: used instead when ``adapt`` is on and most of
             the file is not in the page cache (sampled with mincore before reading).
-        readahead: issue posix_fadvise(WILLNEED) for the whole file first, so a
-            cold disk streams at full speed while the readers wait on it.
+        readahead: start ``weights.readahead.prefetch`` first (a no-op if the
+            replica already did), so a cold disk streams while the readers wait on it.
+        direct_io: read with O_DIRECT, past the page cache (falls back to buffered
+            reads where the filesystem refuses it); ``cold_direct_io`` turns it on
+            for the cold settings only.
         headroom_bytes: device memory that must stay free after the weights
             (activations, the KV cache); the load is refused up front otherwise.
     """
@@ -67,6 +70,8 @@ class LoadOptions:
     verify: bool = True
     headroom_bytes: int = 0
     readahead: bool = True
+    direct_io: bool = False
+    cold_direct_io: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -201,7 +206,7 @@ def _load_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         dev = torch.device("cuda", torch.cuda.current_device())
     if opts.adapt:
         opts = _settings_for_cache(packed, opts)
-    if opts.readahead:
+    if opts.readahead and not opts.direct_io:
         readahead.prefetch(packed.path)  # a cold disk starts streaming at once
     n = packed.data_bytes
     with timer.phase("alloc"):
@@ -227,7 +232,8 @@ def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:
         return opts
     log.info("%.0f%% of %s is in the page cache: reading it from disk with %d threads x %d MiB",
              100 * frac, packed.path, opts.cold_threads, opts.cold_read_bytes >> 20)
-    return dataclasses.replace(opts, threads=opts.cold_threads, read_bytes=opts.cold_read_bytes)
+    return dataclasses.replace(opts, threads=opts.cold_threads, read_bytes=opts.cold_read_bytes,
+                               direct_io=opts.direct_io or opts.cold_direct_io)
 
 
 _RT: list = []
@@ -356,7 +362,7 @@ def _stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, op
     n, step = packed.data_bytes, opts.read_bytes
     pieces = [(off, min(step, n - off)) for off in range(0, n, step)]
     nthreads = min(opts.threads, len(pieces))
-    fd = os.open(packed.path, os.O_RDONLY)
+    fd, direct = _open(packed.path, opts.direct_io)
     errors: list[BaseException] = []
     stop = threading.Event()
     # piece j goes to thread j % nthreads: together the threads sweep the file front
@@ -386,7 +392,7 @@ def _stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, op
                     return
                 s = i % len(slots.views)
                 landed(k, slots.wait(s))
-                _read_exact(fd, slots.views[s][:length], packed.data_offset + off, packed)
+                _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
                 slots.copy(s, off, length)
             for s in range(len(slots.views)):
                 slots.wait(s)
@@ -411,10 +417,28 @@ def _stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, op
             verifier.thread.join()
     if errors:
         raise errors[0]
-def _read_exact(fd: int, view: memoryview, offset: int, packed: PackedFile) -> None:
+def _open(path: Path, direct: bool) -> tuple[int, bool]:
+    """The weight file's descriptor, with O_DIRECT when asked and the filesystem allows it."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        except OSError as e:  # tmpfs and some network filesystems refuse it
+            log.info("O_DIRECT refused for %s (%s): buffered reads", path, e)
+    return os.open(path, os.O_RDONLY), False
+
+
+def _read_exact(fd: int, slot: memoryview, length: int, offset: int, packed: PackedFile,
+                direct: bool = False) -> None:
+    """Read ``length`` bytes at ``offset`` into the start of ``slot``.
+
+    O_DIRECT needs block-aligned sizes: the read is rounded up to 4 KiB (the slot
+    is a multiple of that and the data region's offsets are 4 KiB-aligned), so it
+    may take in a few bytes of what follows, which are never copied.
+    """
+    want = -(-length // 4096) * 4096 if direct else length
     done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
+    while done < length:
+        got = os.preadv(fd, [slot[done:want]], offset + done)
         if got == 0:
             raise PackedFormatError(f"{packed.path}: truncated while loading at byte "
                                     f"{offset + done}; the file changed after it was opened")
