@@ -365,6 +365,11 @@ def check_cuda_context(opts: DoctorOptions, torch: Any) -> Check:
     name = "cuda context"
     if torch is None or torch.version.cuda is None:
         return _no_gpu(name, opts, "no CUDA build of torch")
+    if torch.cuda.is_initialized():  # a caller made it already: a time now would be meaningless
+        dev = torch.cuda.current_device()
+        return Check(name, "ok", f"already created in this process on cuda:{dev} (not timed; "
+                     "run `coldstart doctor` in a fresh process to time it)", "",
+                     {"context_s": None, "device": dev})
     t0 = time.perf_counter()  # before anything calls cuInit (device_count would)
     try:
         torch.cuda.init()
