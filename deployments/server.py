@@ -4,7 +4,7 @@
 tools build it directly. ``deployments.app`` adds the deployment options.
 
 Start-up order (each step timed; phases go to the log and the metrics):
-  1. read-ahead hint for the weight file (a cold disk starts now, under the imports)
+  1. read-ahead of the weight file (a cold disk starts now, under the imports)
   2. imports: torch and the engine modules (never transformers for native models)
   3. runtime: pick the device, preflight checks, create the CUDA context
   4. load: the packed model into one device buffer, verified as it loads
@@ -91,10 +91,14 @@ class LLMServer:
         timer.record("load", time.perf_counter() - t0, loaded.nbytes)
         with timer.phase("engine"):
             ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
-            self.model = build_model(loaded.config, loaded.tensors)
-            self.tokenizer = Tokenizer.from_dir(path)
-            self.engine = Engine(self.model, self.tokenizer, ecfg)
-            self.engine.start()
+            with timer.phase("engine_model"):
+                self.model = build_model(loaded.config, loaded.tensors)
+            with timer.phase("engine_tokenizer"):
+                self.tokenizer = Tokenizer.from_dir(path)
+            with timer.phase("engine_kv_cache"):
+                self.engine = Engine(self.model, self.tokenizer, ecfg)
+            with timer.phase("engine_graphs"):  # first kernels (Triton compiles here), graph capture
+                self.engine.start()
         self.loaded = loaded
         self.model_name = self.args.model_name or path.name
         timer.record("constructor", time.perf_counter() - t_start)
