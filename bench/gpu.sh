@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU measurement of the project, in stages, on one machine:
+#   bash bench/gpu.sh OUT tests load profile engine serve scaleup
+# OUT receives the logs and result files. The 7B random checkpoint and its packed
+# copy are made once under /tmp/coldstart-bench and reused by every stage.
+set -o pipefail
+out=${1:?usage: bench/gpu.sh OUT STAGE...}; shift
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+W=/tmp/coldstart-bench
+# Triton's kernel cache: empty at the first stage that compiles the 7B's kernels, so that
+# stage's capture_s includes the compile; every later stage finds them cached
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/coldstart-triton-cache}
+rc=0
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py \
+               tests/test_model.py tests/test_doctor.py tests/test_kernels.py 2>&1 | tee "$out/gpu-tests.log" ;;
+    load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
+    coldsweep) python3 bench/load.py --out "$out" --cold-sweep-only 2>&1 | tail -30 ;;
+    profile) python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; ensure_checkpoint(Path('$W'), 'llama-7b')" &&
+             python3 bench/profile_decode.py $W/packed --out "$out/decode-profile.json" &&
+             COLDSTART_TRITON=0 python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-torch.json" ;;
+    engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
+    serve)   python3 bench/serve.py --out "$out" --report "$out" --naive > "$out/serve.log" 2>&1; r=$?; grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
+    scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }
+done
+echo "=== done $(date +%T)"
+exit $rc
