@@ -157,7 +157,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self.error: BaseException | None = None
-        self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0}
+        self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0,
+                       "first_launch_s": 0.0}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -243,6 +244,8 @@ class Engine:
             for B in cfg.graph_batch_sizes:
                 self._decode_eager(B, cfg.kv_len_buckets[-1])
         torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self._stats["first_launch_s"] = time.perf_counter() - t0
         for B in reversed(cfg.graph_batch_sizes):
             for L in reversed(cfg.kv_len_buckets):
                 g = torch.cuda.CUDAGraph()
@@ -251,7 +254,8 @@ class Engine:
                 self._graphs[(B, L)] = (g, out)
         torch.cuda.synchronize(self.device)
         self._stats["capture_s"] = time.perf_counter() - t0
-        log.info("captured %d decode graphs in %.2f s", len(self._graphs), self._stats["capture_s"])
+        log.info("captured %d decode graphs in %.2f s (%.2f s of it the first eager launches)",
+                 len(self._graphs), self._stats["capture_s"], self._stats["first_launch_s"])
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
