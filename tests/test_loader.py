@@ -172,31 +172,57 @@ def test_load_settings_follow_the_page_cache(small_hf, tmp_path):
     assert (chosen.threads, chosen.read_bytes) == (opts.cold_threads, opts.cold_read_bytes)
 
 
+def _evicted_file(path: Path, size: int) -> Path:
+    from weights.readahead import resident_bytes
+
+    with open(path, "wb") as fh:
+        fh.write(os.urandom(size))
+        fh.flush()
+        os.fsync(fh.fileno())
+    _evict(path)
+    before = resident_bytes(path, 0, size)
+    if before is None:
+        pytest.skip("mincore(2) is not available here")
+    if before > size // 2:
+        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    return path
+
+
+def _wait_resident(path: Path, offset: int, length: int, timeout: float = 30) -> int:
+    import time
+
+    from weights.readahead import resident_bytes
+
+    deadline = time.time() + timeout
+    while resident_bytes(path, offset, length) < length and time.time() < deadline:
+        time.sleep(0.05)
+    return resident_bytes(path, offset, length)
+
+
 def test_prefetch_reads_the_whole_file_into_the_page_cache(tmp_path):
     """One WILLNEED over a whole file reads only read_ahead_kb of it on Linux; the
     prefetch must bring in every byte, while the caller goes on."""
     import time
 
-    from weights.readahead import prefetch, resident_bytes
+    from weights.readahead import prefetch
 
-    f = tmp_path / "model.cst"
     size = 48 << 20
-    with open(f, "wb") as fh:
-        fh.write(os.urandom(size))
-        fh.flush()
-        os.fsync(fh.fileno())
-    _evict(f)
-    before = resident_bytes(f, 0, size)
-    if before is None:
-        pytest.skip("mincore(2) is not available here")
-    if before > size // 2:
-        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    f = _evicted_file(tmp_path / "model.cst", size)
     t0 = time.perf_counter()
     proc = prefetch(f)
     assert proc is not None and time.perf_counter() - t0 < 1.0  # returns at once
     assert prefetch(tmp_path) is proc  # the directory's model.cst: the same helper
     assert proc.wait(timeout=60) == 0
-    deadline = time.time() + 30
-    while resident_bytes(f, 0, size) < size and time.time() < deadline:
-        time.sleep(0.05)
-    assert resident_bytes(f, 0, size) == size
+    assert _wait_resident(f, 0, size) == size
+
+
+def test_prefetch_reads_ahead_at_most_half_the_free_memory(tmp_path, monkeypatch):
+    from weights import readahead
+
+    size = 48 << 20
+    f = _evicted_file(tmp_path / "model.cst", size)
+    monkeypatch.setattr(readahead, "_available_memory", lambda: 32 << 20)  # half: 16 MiB
+    assert readahead.prefetch(f).wait(timeout=60) == 0
+    assert _wait_resident(f, 0, 16 << 20) == 16 << 20
+    rest = readahead.resident_bytes(f, 16 << 20, size - (16 << 20))
+    assert rest < (size - (16 << 20)) // 4, f"{rest >> 20} MiB past the limit were read ahead"

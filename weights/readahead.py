@@ -37,7 +37,8 @@ PIECE = 128 << 10  # read_ahead_kb's usual default: every call of this size is r
 _HINTS = r"""
 import os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
-size, piece = os.fstat(fd).st_size, int(sys.argv[2])
+piece, limit = int(sys.argv[2]), int(sys.argv[3])
+size = min(os.fstat(fd).st_size, limit)
 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 for off in range(0, size, piece):
     os.posix_fadvise(fd, off, piece, os.POSIX_FADV_WILLNEED)
@@ -53,7 +54,8 @@ def prefetch(path: str | os.PathLike) -> subprocess.Popen | None:
     Returns the helper process (``wait()`` returns once every piece is queued;
     the reads themselves finish shortly after), or None where the file is
     missing or the platform has no ``posix_fadvise``. A second call for the
-    same file in this process returns the first one's helper.
+    same file in this process returns the first one's helper. At most half of
+    the memory available now is read ahead (the front of the file).
     """
     p = Path(path)
     if p.is_dir():
@@ -61,11 +63,14 @@ def prefetch(path: str | os.PathLike) -> subprocess.Popen | None:
     if not p.is_file() or not hasattr(os, "posix_fadvise"):
         return None
     key = str(p.resolve())
+    # read ahead no more than half the free memory: a file larger than that would push
+    # its own first pages out before the loader got to them, and be read twice
+    limit = p.stat().st_size if (avail := _available_memory()) is None else avail // 2
     with _lock:
         proc = _started.get(key)
         if proc is None:
             try:  # -I -S: no site packages, no environment: starts in ~10 ms
-                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _HINTS, key, str(PIECE)],
+                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _HINTS, key, str(PIECE), str(limit)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, close_fds=True)
             except OSError as e:
@@ -73,6 +78,18 @@ def prefetch(path: str | os.PathLike) -> subprocess.Popen | None:
                 return None
             _started[key] = proc
     return proc
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 _libc: ctypes.CDLL | None = None
