@@ -21,7 +21,8 @@ for stage in "$@"; do
     coldsweep) python3 bench/load.py --out "$out" --cold-sweep-only 2>&1 | tail -30 ;;
     profile) python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; ensure_checkpoint(Path('$W'), 'llama-7b')" &&
              python3 bench/profile_decode.py $W/packed --out "$out/decode-profile.json" &&
-             COLDSTART_TRITON=0 python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-torch.json" ;;
+             COLDSTART_TRITON=0 python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-torch.json" &&
+             COLDSTART_DECODE_ATTENTION=triton python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-attn.json" ;;
     engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
     serve)   python3 bench/serve.py --out "$out" --report "$out" --naive > "$out/serve.log" 2>&1; r=$?; grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
     scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;

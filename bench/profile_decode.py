@@ -146,7 +146,7 @@ def main() -> None:
     eng = Engine(model, None, EngineConfig(max_slots=16, max_seq_len=2048))
     eng.start()  # the first launch of each Triton kernel compiles it (or takes it from the cache)
     res["capture_s"] = round(eng.stats()["capture_s"], 3)
-    res["kernels"] = "triton" if model.use_kernels else "torch"
+    res["kernels"] = ("triton+attention" if model.use_attention_kernel else "triton") if model.use_kernels else "torch"
     res["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
     eng.generate([5] * 128, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     res["replay_ms"] = {}

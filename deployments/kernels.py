@@ -72,6 +72,23 @@ def _ref_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return qk[:, :n_heads].contiguous()
 
 
+def _ref_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                          kv_len: int, window: int, scale: float) -> torch.Tensor:
+    B, H, Dh = q.shape
+    k = k_cache[:B, :, :kv_len].float()  # [B, Hkv, L, Dh]
+    v = v_cache[:B, :, :kv_len].float()
+    rep = H // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # head h reads kv head h // rep
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), k) * scale
+    key = torch.arange(kv_len, device=q.device)
+    pos = positions.view(B, 1, 1)
+    allowed = key <= pos
+    if window:
+        allowed = allowed & ((key > pos - window) | (pos >= kv_len))
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("bhl,bhld->bhd", probs, v).to(q.dtype)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 if triton is not None:
@@ -142,6 +159,70 @@ if triton is not None:
                 tl.store(V_CACHE + off + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
 
 
+    @triton.jit
+    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, chunk, window, scale,
+                                  N_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr):
+        # Flash-decoding, part 1. Grid (rows * kv heads, splits): the G query heads that share
+        # one kv head attend to one slice of its keys with an online softmax; writes the
+        # slice's running max, sum and unnormalised output (fp32). Causal (key <= position)
+        # and, when window > 0, sliding-window masks come from the row's position.
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        b = bh // N_KV
+        h = bh % N_KV
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, HEAD_DIM)
+        pos = tl.load(POS + b)
+        # fp32 math throughout: decode attention is bound by reading K and V, not by the dots
+        q = tl.load(Q + ((b * N_KV + h) * G + g[:, None]) * HEAD_DIM + d[None, :], mask=g[:, None] < G,
+                    other=0.0).to(tl.float32)
+        kv_base = (b * N_KV + h) * T * HEAD_DIM
+        start = split * chunk
+        m_i = tl.full((BLOCK_G,), -1e30, tl.float32)  # finite: an all-masked block adds nothing
+        l_i = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
+        end = tl.minimum(start + chunk, kv_len)
+        n0 = start
+        while n0 < end:  # (a while, not a range: Triton's interpreter cannot index by a runtime bound)
+            n = n0 + tl.arange(0, BLOCK_N)
+            live = n < end
+            k = tl.load(K + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(V + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            ok = live & (n <= pos)
+            if window > 0:  # a padding row (position >= kv_len) sees every key: it must stay finite
+                ok = ok & ((n > pos - window) | (pos >= kv_len))
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            m_i = m_new
+            n0 += BLOCK_N
+        row = ((b * N_KV + h) * G + g) * N_SPLIT + split  # [BLOCK_G] partial index
+        tl.store(M_OUT + row, m_i, mask=g < G)
+        tl.store(L_OUT + row, l_i, mask=g < G)
+        tl.store(ACC_OUT + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < G)
+
+    @triton.jit
+    def _decode_attn_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, HEAD_DIM: tl.constexpr, N_SPLIT: tl.constexpr,
+                                   BLOCK_S: tl.constexpr):
+        # Flash-decoding, part 2. One program per (row, query head): rescale the splits to
+        # their common max and normalise; one rounding to the output dtype.
+        r = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.load(M_IN + r * N_SPLIT + sp, mask=sp < N_SPLIT, other=-float("inf"))
+        w = tl.exp(m - tl.max(m, axis=0))
+        l_sum = tl.sum(tl.load(L_IN + r * N_SPLIT + sp, mask=sp < N_SPLIT, other=0.0) * w, axis=0)
+        acc = tl.load(ACC_IN + (r * N_SPLIT + sp[:, None]) * HEAD_DIM + d[None, :], mask=sp[:, None] < N_SPLIT,
+                      other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / l_sum
+        tl.store(OUT + r * HEAD_DIM + d, out.to(OUT.dtype.element_ty))
+
+
 def _launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     D = x.shape[-1]
@@ -180,6 +261,34 @@ def _launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
             k_cache.shape[2], N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=head_dim, BLOCK_HALF=block_half,
             num_warps=1 if block_half <= 64 else 2)
     return q
+
+
+def _decode_splits(rows: int, kv_len: int, block_n: int) -> int:
+    """Key slices per (row, kv head): enough programs to fill a large GPU (~264 of them),
+    at least one key block per slice."""
+    return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(264, rows), 64))
+
+
+def _launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                             kv_len: int, window: int, scale: float) -> torch.Tensor:
+    B, H, Dh = q.shape
+    n_kv, T = k_cache.shape[1], k_cache.shape[2]
+    G = H // n_kv
+    block_n = 64
+    n_split = _decode_splits(B * n_kv, kv_len, block_n)
+    chunk = triton.cdiv(triton.cdiv(kv_len, n_split), block_n) * block_n  # a whole number of key blocks
+    m = torch.empty(B * H * n_split, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(B * H * n_split, Dh, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    if B:
+        _decode_attn_split_kernel[(B * n_kv, n_split)](
+            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, chunk, window, scale, N_KV=n_kv, G=G,
+            HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, N_SPLIT=n_split,
+            num_warps=4)
+        _decode_attn_reduce_kernel[(B * H,)](m, l_, acc, out, HEAD_DIM=Dh, N_SPLIT=n_split,
+                                             BLOCK_S=triton.next_power_of_2(n_split), num_warps=4)
+    return out
 
 
 # ----------------------------------------------------------------------------- public API
@@ -280,6 +389,43 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return _launch_rope_store_kv(qkv, cos, sin, k_cache, v_cache, positions, n_heads, n_kv, head_dim)
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     kv_len: int, window: int, scale: float) -> torch.Tensor:
+    """One decode step's attention, flash-decoding style (key slices in parallel, then a merge).
+
+    q: [B, n_heads, head_dim] contiguous (as `rope_store_kv` returns it); k_cache, v_cache:
+    [slots >= B, n_kv, T, head_dim] contiguous; row b reads slot b's keys 0..kv_len-1 that
+    are <= positions[b] (and > positions[b] - window when window > 0). A row whose position
+    is >= kv_len is the engine's padding: it reads every key, so that it stays finite (it
+    writes the cache too, and a NaN there would poison the slot's next user). head_dim must
+    be a power of two >= 16. Returns [B, n_heads, head_dim] in q's dtype.
+    """
+    _check_float("q", q)
+    if q.dim() != 3 or not q.is_contiguous():
+        raise ValueError(f"q must be a contiguous [B, n_heads, head_dim] tensor, got {_describe(q)}")
+    B, H, Dh = q.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_float(name, t)
+        if t.dim() != 4 or t.shape[0] < B or t.shape[3] != Dh or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [slots >= {B}, n_kv, T, {Dh}] tensor, got {_describe(t)}")
+        _check_like(name, t, "q", q)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if H % k_cache.shape[1]:
+        raise ValueError(f"n_heads={H} is not a multiple of the cache's n_kv={k_cache.shape[1]}")
+    if Dh < 16 or Dh & (Dh - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {Dh}")
+    if not isinstance(kv_len, int) or not 0 < kv_len <= k_cache.shape[2]:
+        raise ValueError(f"kv_len must be an int in [1, {k_cache.shape[2]}], got {kv_len!r}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
+    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.shape != (B,):
+        raise ValueError(f"positions must be an int64 tensor of shape ({B},), got {_describe(positions)}")
+    if not available(q.device):
+        return _ref_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
+    return _launch_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
+
+
 def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
               device: torch.device | str) -> str | None:
     """Run each kernel once at a model's sizes and compare it with the torch reference.
@@ -316,5 +462,30 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
                 err = (got[name].float() - want[name].float()).abs().max().item()
                 return f"{name} differs from the torch reference by up to {err:.3g}"
     except Exception as e:  # noqa: BLE001 - any failure means: don't use them
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device | str) -> str | None:
+    """As `self_test`, for `decode_attention` at a model's head sizes; None when usable."""
+    if not available(device):
+        return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(2, n_heads, head_dim, device=device, generator=g).to(dtype)
+        kc = torch.randn(2, n_kv, 256, head_dim, device=device, generator=g).to(dtype)
+        vc = torch.randn(2, n_kv, 256, head_dim, device=device, generator=g).to(dtype)
+        pos = torch.tensor([100, 255], device=device)
+        for window in (0, 64):
+            got = decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5)
+            want = _ref_decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5)
+            if not torch.allclose(got.float(), want.float(), **tol):
+                err = (got.float() - want.float()).abs().max().item()
+                return f"decode_attention differs from the torch reference by up to {err:.3g}"
+    except Exception as e:  # noqa: BLE001 - any failure means: don't use it
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None

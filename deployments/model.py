@@ -19,6 +19,7 @@ This module must stay cheap to import: no transformers, no ray, no jinja2.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -68,6 +69,7 @@ class AttnContext:
     rows: torch.Tensor | None = None  # decode: arange(B)
     kv_len: int = 0  # decode: keys read from the cache
     fused: bool = False  # use deployments.kernels (CUDA with Triton)
+    attention_kernel: bool = False  # decode attention through kernels.decode_attention too
 
 
 class RMSNorm(nn.Module):
@@ -142,8 +144,11 @@ class Attention(nn.Module):
         kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
         q = kernels.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
                                   H, self.n_kv, Dh)  # [B, H, Dh]
-        mask = ctx.masks.get(self.window) if ctx.masks else None
-        out = self._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
+        if ctx.attention_kernel:  # flash-decoding: key slices in parallel, masks from the positions
+            out = kernels.decode_attention(q, kc, vc, ctx.positions, ctx.kv_len, self.window or 0, self.scale)
+        else:
+            mask = ctx.masks.get(self.window) if ctx.masks else None
+            out = self._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
         return self.o_proj(out.view(B, 1, H * Dh))
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -241,6 +246,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
         self.use_kernels = False  # set by build_native: Triton kernels on CUDA (deployments.kernels)
+        self.use_attention_kernel = False  # and, opted in by COLDSTART_DECODE_ATTENTION=triton, attention
 
     @property
     def dtype(self) -> torch.dtype:
@@ -290,7 +296,7 @@ class Transformer(nn.Module):
                 x = layer(x, ctx)
             return self.model.norm(x)
         # Triton path: each residual add is fused into the RMSNorm that follows it
-        ctx.fused = True
+        ctx.fused, ctx.attention_kernel = True, self.use_attention_kernel
         layers, eps = self.model.layers, self.config.rms_norm_eps
         h, res = layers[0].input_layernorm(x), x
         for i, layer in enumerate(layers):
@@ -418,6 +424,19 @@ def _kernels_usable(model: Transformer) -> bool:
     return why is None
 
 
+def _attention_kernel_wanted(model: Transformer) -> bool:
+    """The Triton decode attention, when asked for (COLDSTART_DECODE_ATTENTION=triton; off by
+    default until it is measured faster on the GPU host) and it passes its self-test."""
+    if os.environ.get("COLDSTART_DECODE_ATTENTION", "torch") != "triton":
+        return False
+    c = model.config
+    why = kernels.attention_self_test(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype,
+                                      model.device)
+    if why:
+        log.warning("Triton decode attention off (%s): using batched matmuls", why)
+    return why is None
+
+
 def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
@@ -464,7 +483,10 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     fused = fuse_projections(model)
     log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
     model.use_kernels = _kernels_usable(model)
-    log.info("decode kernels: %s", "Triton (fused norm, SwiGLU, rope + KV write)" if model.use_kernels else "torch")
+    model.use_attention_kernel = model.use_kernels and _attention_kernel_wanted(model)
+    log.info("decode kernels: %s", ("Triton (fused norm, SwiGLU, rope + KV write"
+                                    + (", attention)" if model.use_attention_kernel else ")"))
+             if model.use_kernels else "torch")
     model.eval()
     model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
     return model

@@ -274,6 +274,33 @@ def test_interp_rope_skips_out_of_range_position(interp):
     assert not torch.equal(kc[0, :, 3], before_k[0, :, 3]) and torch.equal(vc[0, :, 3], qkv[0, 384:].view(2, 64))
 
 
+# (B, n_heads, n_kv, head_dim, T, kv_len, window): MHA, GQA, a kv_len that is not a whole
+# number of key blocks, a sliding window, a padding row (position >= kv_len)
+ATTN_CASES = [(1, 4, 4, 64, 256, 200, 0), (3, 8, 2, 128, 512, 512, 0), (2, 6, 2, 16, 96, 70, 24),
+              (3, 4, 1, 32, 1024, 1000, 0)]
+
+
+def _attn_inputs(B, H, Hkv, Dh, T, kv_len, dtype, device="cpu", seed=0):
+    g = _gen(seed)
+    q = _randn(B, H, Dh, dtype=dtype, g=g, device=device)
+    kc = _randn(B + 1, Hkv, T, Dh, dtype=dtype, g=g, device=device)
+    vc = _randn(B + 1, Hkv, T, Dh, dtype=dtype, g=g, device=device)
+    pos = torch.randint(0, kv_len, (B,), generator=g)
+    pos[-1] = T - 1  # the engine's padding rows sit at the last position: they see every key
+    return q, kc, vc, pos.to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_interp_decode_attention(interp, case, dtype):
+    B, H, Hkv, Dh, T, kv_len, window = case
+    q, kc, vc, pos = _attn_inputs(B, H, Hkv, Dh, T, kv_len, dtype)
+    out = interp._launch_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
+    ref = interp._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **({} if dtype == torch.float32 else TOL[dtype]))
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
@@ -353,3 +380,58 @@ def test_gpu_kernels_in_cuda_graph(monkeypatch, dtype):
 def test_self_test_says_why_without_cuda():
     why = kernels.self_test(64, 96, 4, 2, 16, torch.float32, "cpu")
     assert why is not None and "not available" in why
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_reference_matches_the_models_attention(window):
+    """The reference equals the model's batched-matmul decode attention (the torch path)."""
+    from deployments.model import Attention, ModelConfig
+
+    B, H, Hkv, Dh, T, L = 3, 8, 2, 16, 40, 32
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": H * Dh,
+                               "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": H,
+                               "num_key_value_heads": Hkv, "vocab_size": 8, "max_position_embeddings": T})
+    with torch.device("meta"):
+        attn = Attention(cfg, 0)
+    q, kc, vc, pos = _attn_inputs(B, H, Hkv, Dh, T, L, torch.float32)
+    pos[-1] = L - 1
+    k_pos = torch.arange(L)
+    allowed = (k_pos <= pos[:, None]) & ((k_pos > pos[:, None] - window) if window else True)
+    mask = torch.zeros(B, 1, 1, L).masked_fill(~allowed.view(B, 1, 1, L), float("-inf"))
+    mask = mask.expand(B, Hkv, H // Hkv, L).reshape(-1, H // Hkv, L)
+    want = attn._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, :L], vc[:B, :, :L], mask).view(B, H, Dh)
+    got = kernels.decode_attention(q, kc, vc, pos, L, window, Dh**-0.5)  # CPU: the reference
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(kv_len=0), "kv_len must be an int in"),
+    (dict(window=-1), "window must be an int >= 0"),
+    (dict(positions=torch.zeros(3, dtype=torch.int32)), "positions must be an int64 tensor"),
+    (dict(q=torch.zeros(3, 4, 24)), "head_dim must be a power of two"),
+    (dict(q=torch.zeros(3, 5, 16)), "not a multiple of the cache's n_kv"),
+])
+def test_decode_attention_rejects_bad_inputs(kw, msg):
+    args = dict(q=torch.zeros(3, 4, 16), k_cache=torch.zeros(4, 2, 32, 16), v_cache=torch.zeros(4, 2, 32, 16),
+                positions=torch.zeros(3, dtype=torch.int64), kv_len=32, window=0, scale=0.25)
+    args.update(kw)
+    if args["q"].shape[-1] != 16:
+        args["k_cache"] = args["v_cache"] = torch.zeros(4, 2, 32, args["q"].shape[-1])
+    with pytest.raises(ValueError, match=msg):
+        kernels.decode_attention(**args)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ATTN_CASES + [(1, 32, 32, 128, 4096, 4096, 0), (16, 32, 8, 128, 2048, 2048, 0)])
+def test_gpu_decode_attention_matches_reference(monkeypatch, case, dtype):
+    _use_triton(monkeypatch)
+    B, H, Hkv, Dh, T, kv_len, window = case
+    q, kc, vc, pos = _attn_inputs(B, H, Hkv, Dh, T, kv_len, dtype, device="cuda")
+    out = kernels.decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
+    ref = kernels._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_attention_self_test_says_why():
+    assert "not available" in kernels.attention_self_test(4, 2, 16, torch.float32, "cpu")

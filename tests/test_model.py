@@ -246,20 +246,23 @@ def test_adjacent_view_refuses_tensors_that_are_not_back_to_back():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attention", [False, True])
 @pytest.mark.parametrize("case", ["llama-gqa", "qwen2-untied", "mistral-window"])
-def test_triton_decode_path_matches_transformers_on_the_gpu(case, tmp_path):
-    """Packed model on CUDA: the fused kernels (norm, SwiGLU, rope + KV write) inside CUDA
-    graphs give transformers' greedy tokens, and the same logits as the torch path."""
+def test_triton_decode_path_matches_transformers_on_the_gpu(case, attention, tmp_path, monkeypatch):
+    """Packed model on CUDA: the fused kernels (norm, SwiGLU, rope + KV write, and the decode
+    attention when opted in) inside CUDA graphs give transformers' greedy tokens, and the
+    same logits as the torch path."""
     from deployments import kernels
     from weights import PackOptions, load, pack
 
     pytest.importorskip("triton")
+    monkeypatch.setenv("COLDSTART_DECODE_ATTENTION", "triton" if attention else "torch")
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
     hf.save_pretrained(tmp_path / "hf")
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
     model = build_model(m.config, m.tensors)
-    assert model.use_kernels and kernels.available("cuda")
+    assert model.use_kernels and kernels.available("cuda") and model.use_attention_kernel == attention
     tokens = torch.randint(0, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(2)).cuda()
     fused = model(tokens)
     model.use_kernels = False
