@@ -301,6 +301,32 @@ def test_interp_decode_attention(interp, case, dtype):
     torch.testing.assert_close(out, ref, **({} if dtype == torch.float32 else TOL[dtype]))
 
 
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 5})])
+def test_interp_engine_path_gives_transformers_greedy_tokens(interp, monkeypatch, tmp_path, arch, kw):
+    """The whole fused decode path (all four kernels, interpreted) inside the engine."""
+    from deployments.engine import Engine, EngineConfig, SamplingParams
+    from deployments.model import build_model
+    from helpers_engine import hf_greedy, hf_model
+    from weights import PackOptions, load, pack
+
+    monkeypatch.setattr(interp, "available", lambda device: True)
+    monkeypatch.setenv("COLDSTART_DECODE_ATTENTION", "triton")
+    hf, cfg = hf_model(arch, **kw)
+    hf.save_pretrained(tmp_path / "hf")
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
+    assert model.use_kernels and model.use_attention_kernel
+    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
+    eng.start()
+    try:
+        prompts = [[3, 5, 7, 11, 13], [9] * 7]
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)) for p in prompts]
+        for p, h in zip(prompts, hs):
+            assert h.result(timeout=120)[0] == hf_greedy(hf, p, 10)
+    finally:
+        eng.shutdown()
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
