@@ -29,7 +29,7 @@ def check_driver(proc_text: str | None, torch_cuda: str | None) -> str | None:
     ``proc_text`` is /proc/driver/nvidia/version (read without starting CUDA or
     nvidia-smi); returns the driver version, or None when it cannot be known.
     """
-    from deployments.doctor import driver_verdict, parse_proc_driver_version
+    from deployments.gpu_facts import driver_verdict, parse_proc_driver_version
     driver = parse_proc_driver_version(proc_text) if proc_text else None
     if driver is None or torch_cuda is None:
         return driver
