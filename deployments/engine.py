@@ -6,10 +6,14 @@ One background thread owns the device. Each turn of its loop:
      live slots stay packed at the front and the decode batch stays small);
   3. prefills admitted prompts, `prefill_chunk` tokens per turn, so a long
      prompt does not stall running sequences for more than one chunk;
-  4. runs one decode step for every decoding sequence: cache slots 0..B-1 in
-     one batch, B rounded up to a graph bucket, keys read up to a kv-length
+  4. launches one decode step for every decoding sequence: cache slots 0..B-1
+     in one batch, B rounded up to a graph bucket, keys read up to a kv-length
      bucket; on CUDA this is a CUDA-graph replay, on CPU the same code eagerly;
-  5. samples, detokenizes, checks stops, streams chunks, retires finished ones.
+  5. while the device runs it, detokenizes the previous step's tokens, checks
+     stop strings and streams chunks (a sequence that a stop string ends there
+     has its token of the running step dropped);
+  6. samples the step (the one wait on the device), retires sequences that hit
+     a stop token or their length at once, and keeps the tokens' text for 5.
 
 A failure inside one request's sampling / detokenizing fails only that request;
 a device error (or any error inside the batched forward) stops the loop,
@@ -151,6 +155,7 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []
+        self._pending: list[tuple[_Seq, int, str | None]] = []  # sampled, text not emitted yet
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -263,13 +268,14 @@ class Engine:
             with torch.inference_mode():
                 while not self._stop.is_set():
                     self._intake()
-                    if not (self._waiting or self._prefilling or self._decoding):
+                    if not (self._waiting or self._prefilling or self._decoding or self._pending):
                         self._wake.wait(0.1)
                         self._wake.clear()
                         continue
                     self._admit()
                     self._prefill_turn()
                     self._decode_step()
+                self._emit_pending()
         except BaseException as e:  # noqa: BLE001 - the loop must record why it died
             log.exception("engine loop died")
             self.error = e
@@ -329,8 +335,9 @@ class Engine:
         self._inp[:, :B].copy_(self._stage[:, :B], non_blocking=True)
 
     def _decode_step(self) -> None:
-        seqs = self._decoding
+        seqs = list(self._decoding)
         if not seqs:
+            self._emit_pending()
             return
         cfg = self.config
         B = _bucket(max(s.slot for s in seqs) + 1, cfg.graph_batch_sizes)
@@ -344,10 +351,14 @@ class Engine:
         for s in seqs:
             s.pos += 1
         self._stats["steps"] += 1
-        slots = [s.slot for s in seqs]
-        if slots != list(range(B)):  # some rows are padding: pick the live ones
+        self._emit_pending()  # the previous step's text, while the device works on this one
+        live = [s for s in seqs if s.slot >= 0]  # a stop string may have ended some just now
+        if not live:
+            return
+        slots = [s.slot for s in live]
+        if slots != list(range(B)):  # some rows are padding or ended: pick the live ones
             logits = logits.index_select(0, torch.tensor(slots, device=self.device))
-        self._sample_and_emit(list(seqs), logits)
+        self._sample(live, logits, defer=True)
 
     def _make_generator(self, p: SamplingParams) -> torch.Generator | None:
         if p.temperature == 0:
@@ -360,6 +371,10 @@ class Engine:
         return g
 
     def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample and stream at once (a prompt's first token)."""
+        self._sample(seqs, logits, defer=False)
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, defer: bool) -> None:
         # logits: [R, V], row j for seqs[j]
         args = ([s.params.temperature for s in seqs], [s.params.top_p for s in seqs], [s.params.top_k for s in seqs])
         try:
@@ -381,45 +396,73 @@ class Engine:
         for s, tok in zip(seqs, toks):
             if tok is None:
                 continue
-            try:
-                self._accept(s, tok)
-            except Exception as e:
-                log.exception("request %d failed after sampling", s.handle.id)
-                self._finish(s, "error", e)
+            reason = self._take(s, tok)
+            if defer:
+                if reason is not None:  # decided now: the next step must not run this sequence
+                    self._retire(s)
+                self._pending.append((s, tok, reason))
+            else:
+                self._emit_safely(s, tok, reason)
 
-    def _accept(self, s: _Seq, tok: int) -> None:
+    def _take(self, s: _Seq, tok: int) -> str | None:
+        """Record a sampled token; returns "stop" / "length" when it ends the sequence
+        without looking at text (stop strings are found when the text is made)."""
         s.last = tok
         s.n_gen += 1
         self._stats["tokens_generated"] += 1
         s.handle._mark_token()
-        reason = None
         if tok in s.stops:
-            text, reason = s.text.finish(stopped=True), "stop"  # the stop token's text is not returned
+            return "stop"
+        return "length" if s.n_gen >= s.params.max_new_tokens else None
+
+    def _emit_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for s, tok, reason in pending:
+            if not s.handle.done:  # not cancelled or failed since it was sampled
+                self._emit_safely(s, tok, reason)
+
+    def _emit_safely(self, s: _Seq, tok: int, reason: str | None) -> None:
+        try:
+            self._emit(s, tok, reason)
+        except Exception as e:  # one request's text failed: only that request ends
+            log.exception("request %d failed after sampling", s.handle.id)
+            self._finish(s, "error", e)
+
+    def _emit(self, s: _Seq, tok: int, reason: str | None) -> None:
+        """Detokenize one token, check stop strings, stream it or finish the request."""
+        if reason == "stop":
+            text = s.text.finish(stopped=True)  # the stop token's text is not returned
         else:
             text, hit = s.text.push(tok)
             if hit:
                 reason = "stop"
-            elif s.n_gen >= s.params.max_new_tokens:
-                text, reason = text + s.text.finish(stopped=False), "length"
+            elif reason == "length":
+                text += s.text.finish(stopped=False)
         if reason is None:
             s.handle._put(Chunk([tok], text, None))
         else:
             self._finish(s, reason, token=tok, text=text)
 
-    def _finish(self, s: _Seq, reason: str, error: BaseException | None = None, *, token: int | None = None, text: str = "") -> None:
+    def _retire(self, s: _Seq) -> None:
+        """Stop scheduling ``s`` and free its cache slot (its last chunk may still be pending)."""
         for lst in (self._prefilling, self._decoding):
             if s in lst:
                 lst.remove(s)
         if s.slot >= 0:
             heapq.heappush(self._free, s.slot)
             s.slot = -1
+
+    def _finish(self, s: _Seq, reason: str, error: BaseException | None = None, *, token: int | None = None, text: str = "") -> None:
+        self._retire(s)
         self._stats["finished"] += 1
         s.handle._put(Chunk([] if token is None else [token], text, reason), error=error)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             pending = list(self._inbox) + list(self._waiting) + self._prefilling + self._decoding
+            pending += [s for s, _, _ in self._pending if s not in pending]
             self._inbox.clear()
+        self._pending = []
         self._waiting.clear()
         for s in pending:
             if not s.handle.done:

@@ -123,6 +123,7 @@ class RequestHandle:
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None  # when it got a KV-cache slot
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None  # when the last token was sampled
         self.finished_at: float | None = None
         self.n_tokens = 0
         # bind to the submitter's event loop, if any, so chunks can be awaited there
@@ -149,7 +150,7 @@ class RequestHandle:
         """Tokens per second after the first one (None until finished with >= 2 tokens)."""
         if self.finished_at is None or self.first_token_at is None or self.n_tokens < 2:
             return None
-        dt = self.finished_at - self.first_token_at
+        dt = self.last_token_at - self.first_token_at
         return (self.n_tokens - 1) / dt if dt > 0 else None
 
     @property
@@ -170,6 +171,7 @@ class RequestHandle:
         now = time.perf_counter()
         if self.first_token_at is None:
             self.first_token_at = now
+        self.last_token_at = now
         self.n_tokens += 1
 
     def _put(self, chunk: Chunk, error: BaseException | None = None) -> None:

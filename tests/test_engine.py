@@ -10,6 +10,7 @@ import torch
 
 from deployments.engine import Engine, EngineConfig, SamplingParams, _check_fits
 from deployments.model import build_model
+from deployments.request import TextState
 from deployments.tokenizer import Tokenizer
 from helpers_engine import hf_greedy, hf_model, state_tensors, write_tokenizer_dir
 
@@ -120,6 +121,30 @@ def test_stop_string_and_streaming(tok):
         eng.shutdown()
 
 
+def test_stop_string_mid_batch_drops_the_step_already_running(tok):
+    """The text of step N is made while step N+1 runs: a stop string found there ends the
+    request without the token of step N+1, and its neighbour's tokens are unaffected."""
+    eng, _ = _text_engine(tok, max_slots=2)
+    try:
+        prompt, other = tok.encode("Hello world"), tok.encode("The answer is")
+        ids, full, _ = eng.generate(prompt, SamplingParams(max_new_tokens=40, **GREEDY))
+        solo = eng.generate(other, SamplingParams(max_new_tokens=40, **GREEDY))[0]
+        stop = full[4:7]
+        cut = full[: full.index(stop)]
+        hs = [eng.submit(prompt, SamplingParams(max_new_tokens=40, stop=[stop], **GREEDY)),
+              eng.submit(other, SamplingParams(max_new_tokens=40, **GREEDY))]
+        got_ids, text, reason = hs[0].result(timeout=60)
+        assert (text, reason) == (cut, "stop")
+        # exactly the tokens up to the one whose text completed the stop string
+        state = TextState(tok.incremental_decoder(prompt), [stop])
+        n = next(i + 1 for i, t in enumerate(ids) if state.push(t)[1])
+        assert got_ids == ids[:n]
+        assert hs[1].result(timeout=60)[0] == solo
+        assert eng.stats()["free_slots"] == 2
+    finally:
+        eng.shutdown()
+
+
 def test_stop_token_ids_and_eos(tok):
     eng, _ = _text_engine(tok)
     try:
@@ -184,14 +209,14 @@ def test_bad_prompts(engine):
 def test_one_bad_request_does_not_kill_the_loop(engine):
     eng, _ = engine
     bad = {"id": None}
-    orig = eng._accept
+    orig = eng._emit
 
-    def accept(s, tok):
+    def emit(s, tok, reason):
         if s.handle.id == bad["id"]:
             raise KeyError("boom")
-        orig(s, tok)
+        orig(s, tok, reason)
 
-    eng._accept = accept
+    eng._emit = emit
     good = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=10, **GREEDY))
     h = eng.submit([4, 5, 6], SamplingParams(max_new_tokens=10, **GREEDY))
     bad["id"] = h.id
@@ -322,8 +347,8 @@ def test_queue_wait_is_the_time_until_a_slot_was_free():
         b = eng.submit([3, 4, 6], SamplingParams(max_new_tokens=2, **GREEDY))
         a.result(timeout=60)
         b.result(timeout=60)
-        # one slot: b was admitted only once a had finished and freed it
-        assert b.admitted_at >= a.finished_at
+        # one slot: b was admitted only once a's last token was sampled and its slot freed
+        assert b.admitted_at >= a.last_token_at
         assert b.queue_wait_s >= a.queue_wait_s >= 0
     finally:
         eng.shutdown()
