@@ -21,6 +21,7 @@ This module must stay cheap to import and never fail to: Triton is optional.
 from __future__ import annotations
 
 import os
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -426,6 +427,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _launch_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
 
 
+def _rand(dtype: torch.dtype, device: torch.device | str) -> Callable[..., torch.Tensor]:
+    """Seeded standard-normal tensors of ``dtype`` on ``device``, for the self-tests."""
+    g = torch.Generator(device=device).manual_seed(0)
+    return lambda *shape: torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(dtype)
+
+
+def _compare(cases: Callable[[], Iterator[tuple[str, torch.Tensor, torch.Tensor]]], dtype: torch.dtype) -> str | None:
+    """Run ``(name, kernel result, torch reference)`` cases; why one failed or disagreed, else None."""
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    try:
+        for name, got, want in cases():
+            if not torch.allclose(got.float(), want.float(), **tol):
+                err = (got.float() - want.float()).abs().max().item()
+                return f"{name} differs from the torch reference by up to {err:.3g}"
+    except Exception as e:  # noqa: BLE001 - any failure means: don't use the kernels
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
               device: torch.device | str) -> str | None:
     """Run each kernel once at a model's sizes and compare it with the torch reference.
@@ -438,32 +458,22 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
     """
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
 
-        def rnd(*shape: int) -> torch.Tensor:
-            return torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(dtype)
-
+    def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        rnd = _rand(dtype, device)
         x, r, w = rnd(1, hidden), rnd(1, hidden), rnd(hidden)
+        yield "add_rms_norm", add_rms_norm(x, r, w, 1e-5)[0], _ref_add_rms_norm(x, r, w, 1e-5)[0]
         gu = rnd(1, 2 * intermediate)
+        yield "silu_mul", silu_mul(gu), _ref_silu_mul(gu)
         qkv, cos, sin = rnd(1, (n_heads + 2 * n_kv) * head_dim), rnd(1, head_dim), rnd(1, head_dim)
         # T=16: the divisibility of a real cache length, so the compiled kernel is the one decode uses
         caches = [torch.zeros(1, n_kv, 16, head_dim, device=device, dtype=dtype) for _ in range(4)]
         pos = torch.tensor([5], device=device)
-        got = {"add_rms_norm": add_rms_norm(x, r, w, 1e-5)[0], "silu_mul": silu_mul(gu),
-               "rope_store_kv": rope_store_kv(qkv, cos, sin, caches[0], caches[1], pos, n_heads, n_kv, head_dim)}
-        want = {"add_rms_norm": _ref_add_rms_norm(x, r, w, 1e-5)[0], "silu_mul": _ref_silu_mul(gu),
-                "rope_store_kv": _ref_rope_store_kv(qkv, cos, sin, caches[2], caches[3], pos, n_heads, n_kv,
-                                                    head_dim)}
-        got["kv_cache"], want["kv_cache"] = torch.cat(caches[:2]), torch.cat(caches[2:])
-        for name in got:
-            if not torch.allclose(got[name].float(), want[name].float(), **tol):
-                err = (got[name].float() - want[name].float()).abs().max().item()
-                return f"{name} differs from the torch reference by up to {err:.3g}"
-    except Exception as e:  # noqa: BLE001 - any failure means: don't use them
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
+        yield ("rope_store_kv", rope_store_kv(qkv, cos, sin, caches[0], caches[1], pos, n_heads, n_kv, head_dim),
+               _ref_rope_store_kv(qkv, cos, sin, caches[2], caches[3], pos, n_heads, n_kv, head_dim))
+        yield "kv_cache", torch.cat(caches[:2]), torch.cat(caches[2:])
+
+    return _compare(cases, dtype)
 
 
 def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
@@ -473,19 +483,13 @@ def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dty
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    try:
-        g = torch.Generator(device=device).manual_seed(0)
-        q = torch.randn(2, n_heads, head_dim, device=device, generator=g).to(dtype)
-        kc = torch.randn(2, n_kv, 256, head_dim, device=device, generator=g).to(dtype)
-        vc = torch.randn(2, n_kv, 256, head_dim, device=device, generator=g).to(dtype)
+
+    def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        rnd = _rand(dtype, device)
+        q, kc, vc = rnd(2, n_heads, head_dim), rnd(2, n_kv, 256, head_dim), rnd(2, n_kv, 256, head_dim)
         pos = torch.tensor([100, 255], device=device)
         for window in (0, 64):
-            got = decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5)
-            want = _ref_decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5)
-            if not torch.allclose(got.float(), want.float(), **tol):
-                err = (got.float() - want.float()).abs().max().item()
-                return f"decode_attention differs from the torch reference by up to {err:.3g}"
-    except Exception as e:  # noqa: BLE001 - any failure means: don't use it
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
+            yield ("decode_attention", decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5),
+                   _ref_decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5))
+
+    return _compare(cases, dtype)
