@@ -322,7 +322,7 @@ class Engine:
                 s.pos = len(s.prompt)
                 s.gen = self._make_generator(s.params)
                 self._decoding.append(s)
-                self._sample_and_emit([s], logits.unsqueeze(0))
+                self._sample([s], logits.unsqueeze(0), defer=False)  # its first token streams now
 
     def _stage_inputs(self, B: int, seqs: list[_Seq]) -> None:
         # Padding rows: token 0 at the last cache position, which no live sequence ever
@@ -369,10 +369,6 @@ class Engine:
         else:
             g.manual_seed(p.seed)
         return g
-
-    def _sample_and_emit(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        """Sample and stream at once (a prompt's first token)."""
-        self._sample(seqs, logits, defer=False)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor, defer: bool) -> None:
         # logits: [R, V], row j for seqs[j]

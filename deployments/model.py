@@ -108,7 +108,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(Dq, D, bias=cfg.o_bias)
-        self.splits = [Dq, Dkv, Dkv]
         # [Dq + 2*Dkv, D] view over q/k/v when the loader placed them back to back
         # (the packer does): one matmul instead of three, no copy (see fuse_projections)
         self.qkv_w: torch.Tensor | None = None
@@ -349,9 +348,11 @@ class Transformer(nn.Module):
         cfg = self.config
         pos2 = positions.view(B, 1)
         masks = {}
-        for w, m in self._masks(pos2, kv_len, valid).items():  # m: [B, 1, 1, L] bool
-            add = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, float("-inf"))
-            masks[w] = add.expand(B, cfg.num_key_value_heads, cfg.n_rep, kv_len).reshape(-1, cfg.n_rep, kv_len)
+        # the Triton attention takes its masks from the positions: build none when every layer uses it
+        if not (self.use_attention_kernel and all(la.self_attn.qkv_w is not None for la in self.model.layers)):
+            for w, m in self._masks(pos2, kv_len, valid).items():  # m: [B, 1, 1, L] bool
+                add = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, float("-inf"))
+                masks[w] = add.expand(B, cfg.num_key_value_heads, cfg.n_rep, kv_len).reshape(-1, cfg.n_rep, kv_len)
         ctx = AttnContext(
             "decode",
             self._cos[pos2],  # [B, 1, Dh]

@@ -209,7 +209,7 @@ def test_packed_checkpoint_fuses_projections_without_copies_and_matches_transfor
     assert attn.qkv_w is not None and attn.qkv_w.data_ptr() == attn.q_proj.weight.data_ptr()
     assert mlp.gate_up_w is not None and mlp.gate_up_w.data_ptr() == mlp.gate_proj.weight.data_ptr()
     assert attn.qkv_w.untyped_storage().data_ptr() == m.buffer.untyped_storage().data_ptr()
-    torch.testing.assert_close(attn.qkv_w[-attn.splits[2]:], attn.v_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(attn.qkv_w[-attn.n_kv * attn.head_dim:], attn.v_proj.weight, rtol=0, atol=0)
     tokens = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(model, tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)
     # and through the engine's cached prefill / decode, batched: greedy equals transformers'
