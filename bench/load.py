@@ -145,6 +145,15 @@ COLD_SWEEP = [
 ]
 
 
+def option_sweep(packed: Path, options: list[dict], cold: bool) -> list[dict]:
+    """Our loader once per option set (each from a dropped page cache when ``cold``)."""
+    rows = []
+    for o in options:
+        r = run("ours", str(packed), json.dumps(o), cold=cold)
+        rows.append({**o, "GBps": r["GBps"], "phases": r["phases"]})
+    return rows
+
+
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -224,11 +233,8 @@ def main() -> None:
     res["disk_1"] = run("disk", str(packed), "1", cold=True)
     res["disk"] = max(res["disk_16"], res["disk_1"], key=lambda r: r["GBps"])
     if a.cold_sweep_only:
-        res["cold_sweep"] = []
-        for o in [{}] + COLD_SWEEP:
-            r = run("ours", str(packed), json.dumps(o), cold=True)
-            res["cold_sweep"].append({**o, "GBps": r["GBps"], "phases": r["phases"]})
-        res["disk_16_after"] = run("disk", str(packed), "16", cold=True)
+        res["cold_sweep"] = option_sweep(packed, [{}] + COLD_SWEEP, cold=True)
+        res["disk_16_after"] = run("disk", str(packed), "16", cold=True)  # did the disk drift?
         res["command"] = "python bench/load.py " + " ".join(sys.argv[1:])
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -243,10 +249,7 @@ def main() -> None:
     warm_cache(hf)
     print("ours, option sweep (warm):", flush=True)
     sweep = [] if a.no_sweep else [dict(threads=t, read_bytes=r << 20) for t in (8, 16, 24) for r in (4, 8)]
-    res["sweep"] = []
-    for o in sweep:
-        r = run("ours", str(packed), json.dumps(o))
-        res["sweep"].append({**o, "GBps": r["GBps"], "phases": r["phases"]})
+    res["sweep"] = option_sweep(packed, sweep, cold=False)
     print("ours vs peers:", flush=True)
     res["ours_warm"] = [run("ours", str(packed), "{}") for _ in range(a.repeats)]
     res["ours_warm_noverify"] = [run("ours", str(packed), json.dumps({"verify": False}))
@@ -255,9 +258,7 @@ def main() -> None:
     res["cold_sweep"] = []
     if a.cold_sweep:
         print("ours, cold option sweep:", flush=True)
-        for o in COLD_SWEEP:
-            r = run("ours", str(packed), json.dumps(o), cold=True)
-            res["cold_sweep"].append({**o, "GBps": r["GBps"], "phases": r["phases"]})
+        res["cold_sweep"] = option_sweep(packed, COLD_SWEEP, cold=True)
         res["disk_16_after"] = run("disk", str(packed), "16", cold=True)  # did the disk drift?
     res["ours_cold"] = dict(res["ours_cold_runs"][0],
                             GBps=statistics.mean(r["GBps"] for r in res["ours_cold_runs"]))
