@@ -14,7 +14,9 @@ creation (so every figure is load time alone):
   peers    safetensors.torch.load_file(device="cuda") over the shards,
            AutoModelForCausalLM.from_pretrained(device_map="cuda")
 
-Cold runs drop the page cache first (echo 3 > /proc/sys/vm/drop_caches).
+Cold runs drop the page cache first (echo 3 > /proc/sys/vm/drop_caches). The
+shared disk's rate drifts, so each cold load of ours follows a cold disk read
+and the cold goal is judged on the median of those pairs' ratios.
 Writes load.json and load.md into --out. The machine may be shared, so only
 ratios within one run are meaningful.
 """
@@ -215,6 +217,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--shape", default="llama-7b")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cold-pairs", type=int, default=3,
+                    help="cold runs of ours, each right after a cold disk read (the disk's rate drifts)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="skip the threads x read size sweep")
     ap.add_argument("--cold-sweep", action="store_true",
@@ -232,6 +236,7 @@ def main() -> None:
     res["disk_16"] = run("disk", str(packed), "16", cold=True)
     res["disk_1"] = run("disk", str(packed), "1", cold=True)
     res["disk"] = max(res["disk_16"], res["disk_1"], key=lambda r: r["GBps"])
+    disk_args = ("16",) if res["disk"] is res["disk_16"] else ("1",)
     if a.cold_sweep_only:
         res["cold_sweep"] = option_sweep(packed, [{}] + COLD_SWEEP, cold=True)
         res["disk_16_after"] = run("disk", str(packed), "16", cold=True)  # did the disk drift?
@@ -254,14 +259,22 @@ def main() -> None:
     res["ours_warm"] = [run("ours", str(packed), "{}") for _ in range(a.repeats)]
     res["ours_warm_noverify"] = [run("ours", str(packed), json.dumps({"verify": False}))
                                  for _ in range(a.repeats)]
-    res["ours_cold_runs"] = [run("ours", str(packed), "{}", cold=True) for _ in range(2)]
+    # the shared disk's rate drifts by +-15 % within minutes: each cold load of ours is paired
+    # with a cold disk read (the better pattern above) right before it, and the goal is judged
+    # on the median of the pairs' ratios
+    res["cold_pairs"] = []
+    for _ in range(a.cold_pairs):
+        d = run("disk", str(packed), *disk_args, cold=True)
+        o = run("ours", str(packed), "{}", cold=True)
+        res["cold_pairs"].append({"disk": d, "ours": o, "ratio": o["GBps"] / d["GBps"]})
+    res["ours_cold_runs"] = [p["ours"] for p in res["cold_pairs"]]
     res["cold_sweep"] = []
     if a.cold_sweep:
         print("ours, cold option sweep:", flush=True)
         res["cold_sweep"] = option_sweep(packed, COLD_SWEEP, cold=True)
         res["disk_16_after"] = run("disk", str(packed), "16", cold=True)  # did the disk drift?
     res["ours_cold"] = dict(res["ours_cold_runs"][0],
-                            GBps=statistics.mean(r["GBps"] for r in res["ours_cold_runs"]))
+                            GBps=statistics.median(r["GBps"] for r in res["ours_cold_runs"]))
     warm_cache(hf)  # the cold runs above emptied the cache
     res["safetensors_warm"] = [run("safetensors", str(hf)) for _ in range(2)]
     res["safetensors_cold"] = run("safetensors", str(hf), cold=True)
@@ -277,8 +290,11 @@ def main() -> None:
         "warm_s": med(res["ours_warm"], "seconds"),
         "cold_GBps": res["ours_cold"]["GBps"],
         "cold_runs_GBps": [r["GBps"] for r in res["ours_cold_runs"]],
-        "disk_GBps": res["disk"]["GBps"],
-        "cold_vs_disk": res["ours_cold"]["GBps"] / res["disk"]["GBps"],
+        "disk_GBps": statistics.median(p["disk"]["GBps"] for p in res["cold_pairs"]),
+        "disk_runs_GBps": [p["disk"]["GBps"] for p in res["cold_pairs"]],
+        "disk_pattern": f"{disk_args[0]} thread(s)",
+        "cold_vs_disk": statistics.median(p["ratio"] for p in res["cold_pairs"]),
+        "cold_vs_disk_pairs": [p["ratio"] for p in res["cold_pairs"]],
         "pagecache_pinned_GBps": res["pagecache_pinned"]["GBps"],
         "h2d_pinned_GBps": res["h2d"]["GBps"],
         "verify_cost_fraction": 1 - med(res["ours_warm_noverify"], "seconds") / med(res["ours_warm"], "seconds"),
@@ -313,11 +329,16 @@ def render_md(s: dict, res: dict) -> str:
     for name, w, c in rows:
         lines.append(f"| {name} | {w:.2f} | {gb / w:.2f} | {c:.2f} | {gb / c:.2f} |")
     lines += ["", "| limit measured in the same run | GB/s |", "|---|---|",
-              f"| disk read, page cache cold (best of 16 threads / 1 sequential) | {s['disk_GBps']:.2f} |",
+              f"| disk read, page cache cold ({s['disk_pattern']}, the better of 16 / 1; median of "
+              f"{len(s['disk_runs_GBps'])}: {', '.join(f'{g:.2f}' for g in s['disk_runs_GBps'])}) "
+              f"| {s['disk_GBps']:.2f} |",
               f"| page-cache read into pinned memory, 16 threads | {s['pagecache_pinned_GBps']:.2f} |",
               f"| pinned host->device copy | {s['h2d_pinned_GBps']:.2f} |", "",
-              f"Cold load / disk rate: {s['cold_vs_disk']:.1%}. Verification share of the warm load: "
-              f"{s['verify_cost_fraction']:.1%}.", ""]
+              f"Cold load / disk rate: {s['cold_vs_disk']:.1%}, the median over {len(s['cold_vs_disk_pairs'])} "
+              "pairs of a cold disk read followed by a cold load ("
+              + ", ".join(f"{r:.0%}" for r in s["cold_vs_disk_pairs"]) + "; ours cold: "
+              + ", ".join(f"{g:.2f}" for g in s["cold_runs_GBps"]) + " GB/s). Verification share of the "
+              f"warm load: {s['verify_cost_fraction']:.1%}.", ""]
     if res.get("cold_sweep"):
         lines += ["Cold settings tried (each from a dropped page cache; default: 16 threads x 8 MiB, "
                   "read-ahead on, buffered):", "", "| options | cold GB/s | of disk |", "|---|---|---|"]

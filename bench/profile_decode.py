@@ -146,12 +146,16 @@ def main() -> None:
     eng = Engine(model, None, EngineConfig(max_slots=16, max_seq_len=2048))
     eng.start()  # the first launch of each Triton kernel compiles it (or takes it from the cache)
     res["capture_s"] = round(eng.stats()["capture_s"], 3)
-    res["kernels"] = ("triton+attention" if model.use_attention_kernel else "triton") if model.use_kernels else "torch"
+    res["kernels"] = ("triton" + ("+attention" if model.use_attention_kernel else "")
+                      + (f"+gemv({len(model.gemv_shapes)} shapes)" if model.gemv_shapes else "")
+                      if model.use_kernels else "torch")
     res["triton_cache_dir"] = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
     eng.generate([5] * 128, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     res["replay_ms"] = {}
-    for B in (1, 16):
+    for B in (1, 4, 16):
         for L in (512, 2048):
+            if (B, L) not in eng._graphs:
+                continue
             g, _ = eng._graphs[(B, L)]
             torch.cuda.synchronize()
             t = time.perf_counter()

@@ -1,12 +1,15 @@
 """Fused Triton kernels for the CUDA decode step.
 
-After the GEMVs, a small-batch decode step is dominated by kernel launches: each
-residual add, RMSNorm, SwiGLU and rope + KV-cache write is several tiny torch
-kernels per layer. These three kernels do each of those jobs in one launch:
+A small-batch decode step reads every weight once, and between those reads it
+launches many tiny torch kernels: each residual add, RMSNorm, SwiGLU and rope +
+KV-cache write is several per layer. These kernels do each of those jobs in one launch:
 
-- `add_rms_norm`   residual add + RMSNorm (returns both the normed and the summed rows);
-- `silu_mul`       SwiGLU on a fused gate|up projection;
-- `rope_store_kv`  rope on q and k, k and v written into the static cache, one token per row.
+- `add_rms_norm`      residual add + RMSNorm (returns both the normed and the summed rows);
+- `silu_mul`          SwiGLU on a fused gate|up projection;
+- `rope_store_kv`     rope on q and k, k and v written into the static cache, one token per row;
+- `decode_attention`  flash-decoding attention over the cache (key slices in parallel, then a merge);
+- `gemv`              one row times a weight matrix, closer to the memory bandwidth than cuBLAS
+                      on the 7B's shapes; `gemv_choice` times both at start and picks per shape.
 
 All math is fp32 with one rounding at the end. Block sizes are fixed from the shapes
 (no autotuning: compile time counts at server start). No host syncs and no
@@ -161,13 +164,15 @@ if triton is not None:
 
 
     @triton.jit
-    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, chunk, window, scale,
+    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, chunk, window, scale, n_split,
                                   N_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr):
+                                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         # Flash-decoding, part 1. Grid (rows * kv heads, splits): the G query heads that share
         # one kv head attend to one slice of its keys with an online softmax; writes the
         # slice's running max, sum and unnormalised output (fp32). Causal (key <= position)
         # and, when window > 0, sliding-window masks come from the row's position.
+        # One query head per kv head (G == 1): the dots are broadcast multiply + sum on the
+        # CUDA cores; several (GQA): tensor-core dots in the cache's dtype, fp32 accumulation.
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = bh // N_KV
@@ -175,9 +180,8 @@ if triton is not None:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         pos = tl.load(POS + b)
-        # fp32 math throughout: decode attention is bound by reading K and V, not by the dots
         q = tl.load(Q + ((b * N_KV + h) * G + g[:, None]) * HEAD_DIM + d[None, :], mask=g[:, None] < G,
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         kv_base = (b * N_KV + h) * T * HEAD_DIM
         start = split * chunk
         m_i = tl.full((BLOCK_G,), -1e30, tl.float32)  # finite: an all-masked block adds nothing
@@ -190,7 +194,12 @@ if triton is not None:
             live = n < end
             k = tl.load(K + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(V + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+            if G == 1:
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+            elif IEEE:  # an fp32 cache: full-precision dots (Triton's default would round to tf32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N], fp32
             ok = live & (n <= pos)
             if window > 0:  # a padding row (position >= kv_len) sees every key: it must stay finite
                 ok = ok & ((n > pos - window) | (pos >= kv_len))
@@ -199,16 +208,21 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            if G == 1:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            elif IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
             n0 += BLOCK_N
-        row = ((b * N_KV + h) * G + g) * N_SPLIT + split  # [BLOCK_G] partial index
+        row = ((b * N_KV + h) * G + g) * n_split + split  # [BLOCK_G] partial index
         tl.store(M_OUT + row, m_i, mask=g < G)
         tl.store(L_OUT + row, l_i, mask=g < G)
         tl.store(ACC_OUT + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < G)
 
     @triton.jit
-    def _decode_attn_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, HEAD_DIM: tl.constexpr, N_SPLIT: tl.constexpr,
+    def _decode_attn_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, N_SPLIT, HEAD_DIM: tl.constexpr,
                                    BLOCK_S: tl.constexpr):
         # Flash-decoding, part 2. One program per (row, query head): rescale the splits to
         # their common max and normalise; one rounding to the output dtype.
@@ -222,6 +236,33 @@ if triton is not None:
                       other=0.0)
         out = tl.sum(acc * w[:, None], axis=0) / l_sum
         tl.store(OUT + r * HEAD_DIM + d, out.to(OUT.dtype.element_ty))
+
+    @triton.jit
+    def _gemv_kernel(X, W, BIAS, Y, N, stride_w, K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y = W x (+ bias) for one row x; W [N, K] row-major. Each program reduces BLOCK_N rows
+        # of W over all of K. K is a compile-time constant, so the K loop is unrolled and its
+        # loads can all be in flight at once: a batch-1 decode step is bound by reading W.
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        w_row = W + rn.to(tl.int64)[:, None] * stride_w
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k = k0 + rk
+            if k0 + BLOCK_K <= K:
+                x = tl.load(X + k)
+                if EVEN_N:
+                    w = tl.load(w_row + k[None, :])
+                else:
+                    w = tl.load(w_row + k[None, :], mask=(rn < N)[:, None], other=0.0)
+            else:
+                x = tl.load(X + k, mask=k < K, other=0.0)
+                w = tl.load(w_row + k[None, :], mask=(rn < N)[:, None] & (k < K)[None, :], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=rn < N)
 
 
 def _launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -264,30 +305,54 @@ def _launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return q
 
 
-def _decode_splits(rows: int, kv_len: int, block_n: int) -> int:
-    """Key slices per (row, kv head): enough programs to fill a large GPU (~264 of them),
-    at least one key block per slice."""
-    return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(264, rows), 64))
+def _gemv_blocks(K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a GEMV over K columns: the fastest in
+    bench/kernel_sweep.py on an H200 for the 7B's shapes (4.0-4.3 TB/s against
+    cuBLAS's 2.6-4.0; bench/results/runs/kernel-sweep.json)."""
+    return (2, 1024, 4) if K >= 8192 else (1, 1024, 8)
+
+
+def _launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                 blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    N, K = w.shape
+    block_n, block_k, warps = blocks or _gemv_blocks(K)
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, w, bias if bias is not None else w, y, N, w.stride(0), K=K, HAS_BIAS=bias is not None,
+        EVEN_N=N % block_n == 0, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
+        num_warps=warps)
+    return y
+
+
+def _decode_splits(rows: int, kv_len: int, block_n: int, target: int = 264) -> int:
+    """Key slices per (row, kv head): enough programs to fill a large GPU (~``target`` of
+    them), at least one key block per slice."""
+    return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target, rows), 64))
 
 
 def _launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                             kv_len: int, window: int, scale: float) -> torch.Tensor:
+                             kv_len: int, window: int, scale: float, block_n: int | None = None,
+                             num_warps: int | None = None, target: int | None = None) -> torch.Tensor:
     B, H, Dh = q.shape
     n_kv, T = k_cache.shape[1], k_cache.shape[2]
     G = H // n_kv
-    block_n = 64
-    n_split = _decode_splits(B * n_kv, kv_len, block_n)
+    block_g = 1 if G == 1 else max(16, triton.next_power_of_2(G))
+    # the fastest blocks in bench/kernel_sweep.py on an H200 (Dh 128, kv 512..2048): one query
+    # head per kv head holds [1, BLOCK_N, HEAD_DIM] products in registers, so fewer keys a block
+    bn, warps, tgt = (32, 2, 528) if G == 1 else (64, 4, 264)
+    block_n, num_warps, target = block_n or bn, num_warps or warps, target or tgt
+    n_split = _decode_splits(B * n_kv, kv_len, block_n, target)
     chunk = triton.cdiv(triton.cdiv(kv_len, n_split), block_n) * block_n  # a whole number of key blocks
+    n_split = triton.cdiv(kv_len, chunk)  # no empty slice
     m = torch.empty(B * H * n_split, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty(B * H * n_split, Dh, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     if B:
         _decode_attn_split_kernel[(B * n_kv, n_split)](
-            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, chunk, window, scale, N_KV=n_kv, G=G,
-            HEAD_DIM=Dh, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, N_SPLIT=n_split,
-            num_warps=4)
-        _decode_attn_reduce_kernel[(B * H,)](m, l_, acc, out, HEAD_DIM=Dh, N_SPLIT=n_split,
+            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, chunk, window, scale, n_split, N_KV=n_kv, G=G,
+            HEAD_DIM=Dh, BLOCK_G=block_g, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps)
+        _decode_attn_reduce_kernel[(B * H,)](m, l_, acc, out, n_split, HEAD_DIM=Dh,
                                              BLOCK_S=triton.next_power_of_2(n_split), num_warps=4)
     return out
 
@@ -425,6 +490,82 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not available(q.device):
         return _ref_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
     return _launch_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for a single row x ([K] or [1, ..., 1, K]) with the Triton GEMV.
+    w: [N, K] with contiguous rows; fp32 accumulation, one rounding. Falls back to F.linear
+    where Triton does not run."""
+    _check_float("x", x)
+    _check_float("w", w)
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or x.numel() != w.shape[1]:
+        raise ValueError(f"gemv needs one row x of width K and w [N, K], got x {_describe(x)}, w {_describe(w)}")
+    _check_like("w", w, "x", x)
+    if bias is not None:
+        _check_like("bias", bias, "x", x)
+        if bias.shape != (w.shape[0],) or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous ({w.shape[0]},) tensor, got {_describe(bias)}")
+    if not available(x.device):
+        return F.linear(x, w, bias)
+    return _launch_gemv(x.contiguous(), w, bias)
+
+
+def _graph_ms(fn: Callable[[], object], device: torch.device | str, replays: int = 3) -> float:
+    """GPU time of one call of ``fn`` (several launches), captured as a CUDA graph so that
+    Python's launch overhead is not what is measured; the best of a few replays."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        fn()  # compile / pick algorithms outside the capture
+    torch.cuda.current_stream(device).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    best = float("inf")
+    for _ in range(replays + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return best
+
+
+def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]], margin: float = 0.02
+                ) -> tuple[set[tuple[int, int]], dict[str, dict]]:
+    """Which weight shapes a batch-1 decode step should multiply with the Triton GEMV.
+
+    ``groups``: projection name -> its (weight, bias) in every layer. For each, checks the
+    GEMV against F.linear on one layer's weight, then times both over all the layers (the
+    real weights, so caches behave as in decoding) and picks the GEMV where it is faster by
+    more than ``margin``. About a millisecond per projection and method. Returns the chosen
+    (N, K) shapes and, per projection, the timings or why the GEMV was not usable.
+    """
+    chosen: set[tuple[int, int]] = set()
+    report: dict[str, dict] = {}
+    for name, pairs in groups.items():
+        w0, b0 = pairs[0]
+        if not available(w0.device):
+            report[name] = {"error": "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"}
+            continue
+        x = _rand(w0.dtype, w0.device)(1, w0.shape[1])
+        why = _compare(lambda: iter([(name, gemv(x, w0, b0), F.linear(x, w0, b0))]), w0.dtype)
+        if why:
+            report[name] = {"error": why}
+            continue
+        try:
+            ms_torch = _graph_ms(lambda: [F.linear(x, w, b) for w, b in pairs], w0.device)
+            ms_triton = _graph_ms(lambda: [_launch_gemv(x, w, b) for w, b in pairs], w0.device)
+        except Exception as e:  # noqa: BLE001 - a failed timing just keeps cuBLAS
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        faster = ms_triton < ms_torch * (1 - margin)
+        report[name] = {"shape": list(w0.shape), "torch_ms": round(ms_torch, 4), "triton_ms": round(ms_triton, 4),
+                        "triton": faster}
+        if faster:
+            chosen.add(tuple(w0.shape))
+    return chosen, report
 
 
 def _rand(dtype: torch.dtype, device: torch.device | str) -> Callable[..., torch.Tensor]:

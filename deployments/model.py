@@ -70,6 +70,14 @@ class AttnContext:
     kv_len: int = 0  # decode: keys read from the cache
     fused: bool = False  # use deployments.kernels (CUDA with Triton)
     attention_kernel: bool = False  # decode attention through kernels.decode_attention too
+    gemv: frozenset = frozenset()  # weight shapes (N, K) a single row multiplies with kernels.gemv
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnContext | None) -> torch.Tensor:
+    """F.linear, or the Triton GEMV for one row when the model chose it for w's shape."""
+    if ctx is not None and ctx.gemv and x.numel() == x.shape[-1] and tuple(w.shape) in ctx.gemv:
+        return kernels.gemv(x, w, b)
+    return F.linear(x, w, b)
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +147,7 @@ class Attention(nn.Module):
     def _decode_fused(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # one Triton kernel ropes q and k and writes k, v into the cache (8 torch kernels otherwise)
         B, H, Dh = x.shape[0], self.n_heads, self.head_dim
-        qkv = F.linear(x.view(B, -1), self.qkv_w, self.qkv_b)  # [B, (H + 2 Hkv) Dh]
+        qkv = _linear(x.view(B, -1), self.qkv_w, self.qkv_b, ctx)  # [B, (H + 2 Hkv) Dh]
         kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
         q = kernels.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
                                   H, self.n_kv, Dh)  # [B, H, Dh]
@@ -148,7 +156,7 @@ class Attention(nn.Module):
         else:
             mask = ctx.masks.get(self.window) if ctx.masks else None
             out = self._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
-        return self.o_proj(out.view(B, 1, H * Dh))
+        return _linear(out.view(B, 1, H * Dh), self.o_proj.weight, self.o_proj.bias, ctx)
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # x: [B, S, D]
@@ -199,9 +207,10 @@ class MLP(nn.Module):
         self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
         self.gate_up_b: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused and self.gate_up_w is not None:
-            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up_w, self.gate_up_b)))
+    def forward(self, x: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
+        if ctx is not None and ctx.fused and self.gate_up_w is not None:
+            h = kernels.silu_mul(_linear(x, self.gate_up_w, self.gate_up_b, ctx))
+            return _linear(h, self.down_proj.weight, self.down_proj.bias, ctx)
         if self.gate_up_w is not None:
             gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
         else:
@@ -245,7 +254,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
         self.use_kernels = False  # set by build_native: Triton kernels on CUDA (deployments.kernels)
-        self.use_attention_kernel = False  # and, opted in by COLDSTART_DECODE_ATTENTION=triton, attention
+        self.use_attention_kernel = False  # and the flash-decoding attention (see attention_kernel_for)
+        self.attention_kernel_always = False  # COLDSTART_DECODE_ATTENTION=triton
+        self.gemv_shapes: frozenset = frozenset()  # and batch-1 projections of these shapes (N, K)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -295,16 +306,26 @@ class Transformer(nn.Module):
                 x = layer(x, ctx)
             return self.model.norm(x)
         # Triton path: each residual add is fused into the RMSNorm that follows it
-        ctx.fused, ctx.attention_kernel = True, self.use_attention_kernel
+        ctx.fused, ctx.gemv = True, self.gemv_shapes  # (decode() sets ctx.attention_kernel)
         layers, eps = self.model.layers, self.config.rms_norm_eps
         h, res = layers[0].input_layernorm(x), x
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, ctx)
             h, res = kernels.add_rms_norm(a, res, layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp(h, fused=True)
+            m = layer.mlp(h, ctx)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, res = kernels.add_rms_norm(m, res, nxt.weight, eps)
         return h
+
+    def attention_kernel_for(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows uses the Triton attention: where it was
+        measured faster than the batched matmuls (bench/kernel_sweep.py, H200): always with
+        grouped-query heads, and for one row with one query head per kv head (at 16 rows of
+        those, reading the cache bounds both and the matmuls are ~15 % faster).
+        COLDSTART_DECODE_ATTENTION=triton takes it for every step."""
+        if not self.use_attention_kernel or not all(la.self_attn.qkv_w is not None for la in self.model.layers):
+            return False
+        return self.attention_kernel_always or self.config.n_rep > 1 or rows == 1
 
     def _check_len(self, n: int) -> None:
         if n > self.rope_len:
@@ -348,8 +369,9 @@ class Transformer(nn.Module):
         cfg = self.config
         pos2 = positions.view(B, 1)
         masks = {}
+        attention_kernel = self.use_kernels and self.attention_kernel_for(B)
         # the Triton attention takes its masks from the positions: build none when every layer uses it
-        if not (self.use_attention_kernel and all(la.self_attn.qkv_w is not None for la in self.model.layers)):
+        if not attention_kernel:
             for w, m in self._masks(pos2, kv_len, valid).items():  # m: [B, 1, 1, L] bool
                 add = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, float("-inf"))
                 masks[w] = add.expand(B, cfg.num_key_value_heads, cfg.n_rep, kv_len).reshape(-1, cfg.n_rep, kv_len)
@@ -362,9 +384,10 @@ class Transformer(nn.Module):
             positions=positions,
             rows=torch.arange(B, device=tokens.device),
             kv_len=kv_len,
+            attention_kernel=attention_kernel,
         )
         h = self._run(tokens.view(B, 1), ctx)
-        return self.lm_head(h[:, 0])
+        return _linear(h[:, 0], self.lm_head.weight, None, ctx)
 
 
 def adjacent_view(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -426,9 +449,15 @@ def _kernels_usable(model: Transformer) -> bool:
 
 
 def _attention_kernel_wanted(model: Transformer) -> bool:
-    """The Triton decode attention, when asked for (COLDSTART_DECODE_ATTENTION=triton; off by
-    default until it is measured faster on the GPU host) and it passes its self-test."""
-    if os.environ.get("COLDSTART_DECODE_ATTENTION", "torch") != "triton":
+    """The Triton decode attention (COLDSTART_DECODE_ATTENTION=auto, the default: for the steps
+    where it is faster, see Transformer.attention_kernel_for; =triton: every step; =torch:
+    none), when it passes its self-test."""
+    mode = os.environ.get("COLDSTART_DECODE_ATTENTION", "auto")
+    if mode not in ("auto", "triton", "torch"):
+        log.warning("COLDSTART_DECODE_ATTENTION=%r is not one of auto, triton, torch: using auto", mode)
+        mode = "auto"
+    model.attention_kernel_always = mode == "triton"
+    if mode == "torch":
         return False
     c = model.config
     why = kernels.attention_self_test(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype,
@@ -436,6 +465,40 @@ def _attention_kernel_wanted(model: Transformer) -> bool:
     if why:
         log.warning("Triton decode attention off (%s): using batched matmuls", why)
     return why is None
+
+
+def _choose_gemv(model: Transformer) -> frozenset:
+    """Weight shapes whose batch-1 products go through the Triton GEMV: by default those
+    where it times faster than cuBLAS on this GPU (kernels.gemv_choice, ~0.1 s);
+    COLDSTART_GEMV=triton takes it for every projection, =torch for none."""
+    mode = os.environ.get("COLDSTART_GEMV", "auto")
+    if mode not in ("auto", "triton", "torch"):
+        log.warning("COLDSTART_GEMV=%r is not one of auto, triton, torch: using auto", mode)
+        mode = "auto"
+    if mode == "torch":
+        return frozenset()
+    groups: dict[tuple[int, int], dict] = {}
+
+    def add(name: str, w: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        if w is not None and w.stride(1) == 1:
+            g = groups.setdefault(tuple(w.shape), {"names": [], "pairs": []})
+            if name not in g["names"]:
+                g["names"].append(name)
+            g["pairs"].append((w, b))
+    for la in model.model.layers:
+        at, mlp = la.self_attn, la.mlp
+        add("qkv", at.qkv_w, at.qkv_b)
+        add("o_proj", at.o_proj.weight, at.o_proj.bias)
+        add("gate_up", mlp.gate_up_w, mlp.gate_up_b)
+        add("down_proj", mlp.down_proj.weight, mlp.down_proj.bias)
+    add("lm_head", model.lm_head.weight, None)
+    if mode == "triton":
+        return frozenset(groups)
+    chosen, report = kernels.gemv_choice({"+".join(g["names"]): g["pairs"] for g in groups.values()})
+    log.info("batch-1 GEMV: %s", "; ".join(
+        f"{name} {r['triton_ms']:.3f} vs cuBLAS {r['torch_ms']:.3f} ms -> {'Triton' if r['triton'] else 'cuBLAS'}"
+        if "error" not in r else f"{name}: cuBLAS ({r['error']})" for name, r in report.items()))
+    return frozenset(chosen)
 
 
 def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
@@ -485,9 +548,11 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
     model.use_kernels = _kernels_usable(model)
     model.use_attention_kernel = model.use_kernels and _attention_kernel_wanted(model)
+    model.gemv_shapes = _choose_gemv(model) if model.use_kernels else frozenset()
     log.info("decode kernels: %s", ("Triton (fused norm, SwiGLU, rope + KV write"
-                                    + (", attention)" if model.use_attention_kernel else ")"))
-             if model.use_kernels else "torch")
+                                    + (", attention" if model.use_attention_kernel else "")
+                                    + (f", GEMV for {len(model.gemv_shapes)} weight shapes)" if model.gemv_shapes
+                                       else ")")) if model.use_kernels else "torch")
     model.eval()
     model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
     return model

@@ -246,29 +246,51 @@ def test_adjacent_view_refuses_tensors_that_are_not_back_to_back():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("attention", [False, True])
+@pytest.mark.parametrize("mode", ["torch", "triton", "auto"])
 @pytest.mark.parametrize("case", ["llama-gqa", "qwen2-untied", "mistral-window"])
-def test_triton_decode_path_matches_transformers_on_the_gpu(case, attention, tmp_path, monkeypatch):
-    """Packed model on CUDA: the fused kernels (norm, SwiGLU, rope + KV write, and the decode
-    attention when opted in) inside CUDA graphs give transformers' greedy tokens, and the
-    same logits as the torch path."""
+def test_triton_decode_path_matches_transformers_on_the_gpu(case, mode, tmp_path, monkeypatch):
+    """Packed model on CUDA: the fused kernels (norm, SwiGLU, rope + KV write; the decode
+    attention and the GEMV for every step (triton), where measured faster (auto) or never
+    (torch)) inside CUDA graphs give transformers' greedy tokens, and the same logits as
+    the torch path."""
     from deployments import kernels
     from weights import PackOptions, load, pack
 
     pytest.importorskip("triton")
-    monkeypatch.setenv("COLDSTART_DECODE_ATTENTION", "triton" if attention else "torch")
+    monkeypatch.setenv("COLDSTART_DECODE_ATTENTION", mode)
+    monkeypatch.setenv("COLDSTART_GEMV", mode)
+    attention = mode != "torch"
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
     hf.save_pretrained(tmp_path / "hf")
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
     model = build_model(m.config, m.tensors)
     assert model.use_kernels and kernels.available("cuda") and model.use_attention_kernel == attention
+    assert (len(model.gemv_shapes) >= 4) if mode == "triton" else (model.gemv_shapes == frozenset()
+                                                                  if mode == "torch" else True)
     tokens = torch.randint(0, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(2)).cuda()
     fused = model(tokens)
     model.use_kernels = False
     torch.testing.assert_close(fused, model(tokens), atol=1e-4, rtol=1e-4)
     model.use_kernels = True
     _engine_greedy_equals_transformers(model, hf)
+
+
+@pytest.mark.parametrize("arch, heads, always, rows_using_it", [
+    ("llama", (4, 2), False, [1, 2, 16]),  # grouped-query heads: every step
+    ("llama", (4, 4), False, [1]),         # one query head per kv head: one-row steps only
+    ("llama", (4, 4), True, [1, 2, 16]),   # COLDSTART_DECODE_ATTENTION=triton
+])
+def test_attention_kernel_is_used_where_it_was_measured_faster(arch, heads, always, rows_using_it, tmp_path):
+    from weights import PackOptions, load, pack
+
+    hf, cfg = hf_model(arch, num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    hf.save_pretrained(tmp_path / "hf")  # packed: q, k, v side by side, so the fused decode path applies
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
+    assert not model.attention_kernel_for(1)  # not enabled (CPU)
+    model.use_attention_kernel, model.attention_kernel_always = True, always
+    assert [r for r in (1, 2, 16) if model.attention_kernel_for(r)] == rows_using_it
 
 
 def test_model_decodes_with_torch_kernels_when_triton_fails(monkeypatch, caplog):

@@ -1,0 +1,176 @@
+"""Block-size sweep of the decode kernels that read the most memory, against torch's.
+
+    python bench/kernel_sweep.py --out OUT/kernel-sweep.json
+
+GEMV (`deployments.kernels._launch_gemv`, batch 1) for each projection shape of a
+Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
+(`_launch_decode_attention`) against the batched matmuls + softmax the model uses
+otherwise. Each figure is one CUDA graph over 32 distinct weight matrices / KV
+caches (one per layer, so the L2 cache does not hold them), the best of 5 replays.
+Random fp16 data; nothing is loaded. Prints and writes the best block sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deployments import kernels  # noqa: E402
+
+LAYERS = 32
+# (name, N, K, copies): the 7B's batch-1 products; lm_head once per step
+GEMV_SHAPES = [("qkv", 12288, 4096, LAYERS), ("o_proj", 4096, 4096, LAYERS), ("gate_up", 22016, 4096, LAYERS),
+               ("down_proj", 4096, 11008, LAYERS), ("lm_head", 32000, 4096, 4)]
+GEMV_BLOCKS = [(bn, bk, w) for bn in (1, 2, 4, 8) for bk in (256, 512, 1024) for w in (4, 8)] + \
+              [(16, 256, 8), (16, 512, 8), (2, 2048, 8), (1, 2048, 4), (4, 128, 2), (8, 128, 4)]
+# (name, B, n_heads, n_kv, kv_len)
+ATTN_CASES = [("mha-b1-L512", 1, 32, 32, 512), ("mha-b1-L2048", 1, 32, 32, 2048),
+              ("mha-b16-L512", 16, 32, 32, 512), ("mha-b16-L2048", 16, 32, 32, 2048),
+              ("gqa-b1-L2048", 1, 32, 8, 2048), ("gqa-b16-L2048", 16, 32, 8, 2048)]
+ATTN_CONFIGS = [(bn, w, t) for bn in (16, 32, 64) for w in (2, 4, 8) for t in (132, 264, 528)]
+
+
+def graph_ms(fn, replays: int = 5) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return min(times)
+
+
+def sweep_gemv(dtype: torch.dtype) -> dict:
+    out = {}
+    for name, N, K, copies in GEMV_SHAPES:
+        ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, K, device="cuda", dtype=dtype)
+        gb = copies * N * K * ws[0].element_size() / 1e9
+        want = F.linear(x.float(), ws[0].float()).to(dtype)
+        r = {"N": N, "K": K, "copies": copies, "GB": gb}
+        ms = graph_ms(lambda: [F.linear(x, w) for w in ws])
+        r["cublas"] = {"ms": ms, "GBps": gb / ms * 1e3}
+        r["triton"] = []
+        for blocks in GEMV_BLOCKS:
+            try:
+                got = kernels._launch_gemv(x, ws[0], None, blocks)
+                err = (got.float() - want.float()).abs().max().item()
+                ms = graph_ms(lambda: [kernels._launch_gemv(x, w, None, blocks) for w in ws])
+                r["triton"].append({"blocks": blocks, "ms": ms, "GBps": gb / ms * 1e3, "max_err": err})
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
+                r["triton"].append({"blocks": blocks, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        ok = [t for t in r["triton"] if "ms" in t]
+        best = min(ok, key=lambda t: t["ms"])
+        r["best"] = best
+        print(f"gemv {name:10s} {N:6d}x{K:<6d} cuBLAS {r['cublas']['ms'] / copies * 1e3:7.1f} us "
+              f"{r['cublas']['GBps']:6.0f} GB/s | best Triton {best['blocks']} {best['ms'] / copies * 1e3:7.1f} us "
+              f"{best['GBps']:6.0f} GB/s", flush=True)
+        out[name] = r
+        ws.clear()
+        torch.cuda.empty_cache()
+    # one block config for every shape: the one with the least total time
+    totals = {}
+    for blocks in GEMV_BLOCKS:
+        ts = [next((t["ms"] for t in out[n]["triton"] if t["blocks"] == blocks and "ms" in t), None)
+              for n, *_ in GEMV_SHAPES]
+        if None not in ts:
+            # per decode step: the layers' products plus one lm_head
+            totals[str(blocks)] = sum(t / c * (1 if n == "lm_head" else LAYERS)
+                                      for t, (n, _, _, c) in zip(ts, GEMV_SHAPES))
+    step = {"cublas_ms": sum(out[n]["cublas"]["ms"] / c * (1 if n == "lm_head" else LAYERS)
+                             for n, _, _, c in GEMV_SHAPES),
+            "best_per_shape_ms": sum(min(out[n]["cublas"]["ms"], out[n]["best"]["ms"]) / c
+                                     * (1 if n == "lm_head" else LAYERS) for n, _, _, c in GEMV_SHAPES),
+            "one_config_ms": totals, "best_one_config": min(totals, key=totals.get)}
+    print(f"gemv per step: cuBLAS {step['cublas_ms']:.3f} ms, best of both per shape "
+          f"{step['best_per_shape_ms']:.3f} ms, best single Triton config {step['best_one_config']} "
+          f"{totals[step['best_one_config']]:.3f} ms", flush=True)
+    return {"shapes": out, "step": step}
+
+
+def torch_attention(q, kc, vc, mask_add, n_kv, scale):
+    # the model's batched-matmul decode attention (deployments.model.Attention._decode_attn)
+    B, H, Dh = q.shape
+    L = mask_add.shape[-1]
+    qg = q.reshape(B * n_kv, H // n_kv, Dh)
+    k3 = kc[:B, :, :L].reshape(B * n_kv, L, Dh)
+    v3 = vc[:B, :, :L].reshape(B * n_kv, L, Dh)
+    scores = torch.baddbmm(mask_add, qg, k3.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), v3)
+
+
+def sweep_attention(dtype: torch.dtype) -> dict:
+    out = {}
+    Dh, T = 128, 2048
+    for name, B, H, n_kv, L in ATTN_CASES:
+        caches = [(torch.randn(B, n_kv, T, Dh, device="cuda", dtype=dtype),
+                   torch.randn(B, n_kv, T, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
+        q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
+        pos = torch.full((B,), L - 1, device="cuda", dtype=torch.int64)
+        mask = torch.zeros(B * n_kv, H // n_kv, L, device="cuda", dtype=dtype)
+        scale = Dh ** -0.5
+        want = kernels._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
+        r = {"torch_ms": graph_ms(lambda: [torch_attention(q, k, v, mask, n_kv, scale) for k, v in caches]),
+             "triton": []}
+        for bn, w, t in ATTN_CONFIGS:
+            try:
+                got = kernels._launch_decode_attention(q, *caches[0], pos, L, 0, scale, bn, w, t)
+                err = (got.float() - want.float()).abs().max().item()
+                ms = graph_ms(lambda: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale, bn, w, t)
+                                       for k, v in caches])
+                r["triton"].append({"block_n": bn, "warps": w, "target": t, "ms": ms, "max_err": err})
+            except Exception as e:  # noqa: BLE001
+                r["triton"].append({"block_n": bn, "warps": w, "target": t, "error": f"{type(e).__name__}: {e}"[:200]})
+        ok = [x for x in r["triton"] if "ms" in x]
+        r["best"] = min(ok, key=lambda x: x["ms"])
+        r["default_ms"] = graph_ms(lambda: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale)
+                                            for k, v in caches])
+        print(f"attn {name:14s} torch {r['torch_ms'] / LAYERS * 1e3:7.1f} us/layer | Triton default "
+              f"{r['default_ms'] / LAYERS * 1e3:7.1f} | best {r['best']['block_n']}/{r['best']['warps']}/"
+              f"{r['best']['target']} {r['best']['ms'] / LAYERS * 1e3:7.1f} us/layer", flush=True)
+        out[name] = r
+        caches.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", choices=["gemv", "attention"])
+    a = ap.parse_args()
+    if not kernels.available("cuda"):
+        sys.exit("needs CUDA and Triton")
+    t0 = time.perf_counter()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "command": "python bench/kernel_sweep.py " + " ".join(sys.argv[1:])}
+    if a.only != "attention":
+        res["gemv"] = sweep_gemv(torch.float16)
+    if a.only != "gemv":
+        res["attention"] = sweep_attention(torch.float16)
+    res["seconds"] = time.perf_counter() - t0
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {a.out} in {res['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
