@@ -23,9 +23,18 @@ for stage in "$@"; do
     profile) python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; ensure_checkpoint(Path('$W'), 'llama-7b')" &&
              python3 bench/profile_decode.py $W/packed --out "$out/decode-profile.json" &&
              COLDSTART_TRITON=0 python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-torch.json" &&
-             COLDSTART_DECODE_ATTENTION=triton python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-attn.json" ;;
+             COLDSTART_GEMV=torch COLDSTART_DECODE_ATTENTION=torch python3 bench/profile_decode.py $W/packed \
+               --out "$out/decode-profile-fused-only.json" ;;
     engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
     serve)   python3 bench/serve.py --out "$out" --report "$out" --naive > "$out/serve.log" 2>&1; r=$?; grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
+    startenv) # the engine's start under the replica's settings, one at a time (graph capture took
+             # 2.1 s in a Ray replica and 0.4 s here); the last with an empty Triton cache
+             a="bench/engine.py $W/packed --max-seq-len 4096 --start-only --no-hf"
+             python3 $a 2>&1 | grep START
+             PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 $a 2>&1 | grep START
+             CUDA_MODULE_LOADING=LAZY python3 $a 2>&1 | grep START
+             OMP_NUM_THREADS=1 python3 $a 2>&1 | grep START
+             TRITON_CACHE_DIR=$(mktemp -d) python3 $a 2>&1 | grep START ;;
     scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

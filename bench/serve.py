@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import ray
+import yaml
 from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -44,8 +45,14 @@ sys.path.insert(0, str(ROOT))
 from bench.load import ensure_checkpoint, warm_cache  # noqa: E402
 from bench.load import run as run_limit  # noqa: E402
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-       "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+       "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+       # Triton's kernel cache: the deployments find the 7B's kernels there, as on a node that ran
+       # the model before (a new node compiles them once: `bash bench/gpu.sh OUT startenv` times it)
+       **({"TRITON_CACHE_DIR": os.environ["TRITON_CACHE_DIR"]} if "TRITON_CACHE_DIR" in os.environ else {})}
 BASE = "http://127.0.0.1:8000"
+# the warm-up plan users run: serve_config.yaml's user_config
+WARMUP = next(d["user_config"] for d in yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+              ["applications"][0]["deployments"] if d["name"] == "LLMDeployment")
 
 
 def _dev() -> str:
@@ -167,7 +174,7 @@ def scale_up(packed: Path, num_gpus: float, device: str, seconds: float = 120) -
     name = "scaleup"
     dep = LLMDeployment.options(
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": 1}, max_ongoing_requests=16,
-        user_config={"warmup": {"requests": 1, "batch_sizes": [1, 4]}},
+        user_config=WARMUP,
         autoscaling_config={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                             "target_ongoing_requests": 2, "upscale_delay_s": 1,
                             "downscale_delay_s": 600, "metrics_interval_s": 0.5,
@@ -298,7 +305,7 @@ def main() -> None:
 
     def ours(tag: str) -> dict:
         dep = LLMDeployment.options(ray_actor_options=gpus,
-                                    user_config={"warmup": {"requests": 1, "batch_sizes": [1, 4]}})
+                                    user_config=WARMUP)
         app = dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu",
                        engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024})
         return measure(f"coldstart-{tag}", app, "/generate",

@@ -53,9 +53,9 @@ def _check_type(name: str, v: Any, want: str) -> None:
 class WarmupPlan:
     """The warm-up plan, from ``user_config``; changing it re-warms the replica."""
 
-    requests: int = 2
-    """Shadow requests run one after another (the first pays lazy initialisation)."""
-    prompt_fraction: float = 0.5
+    requests: int = 1
+    """Shadow rounds run one after another (the first pays lazy initialisation)."""
+    prompt_fraction: float = 0.125
     """Prompt length of each shadow request as a fraction of max_seq_len."""
     decode_tokens: int = 16
     """Tokens generated per shadow request (greedy, KV cache on, graphs replayed)."""
