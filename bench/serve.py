@@ -335,6 +335,9 @@ def main() -> None:
             else:
                 drop_caches()
             res[cache][kind] = run(cache)
+            # a run cut short (a time limit) still leaves what it measured
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / "serve-partial.json").write_text(json.dumps(res, indent=2))
 
     if a.scale_up:
         warm_cache(packed)
