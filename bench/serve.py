@@ -241,11 +241,18 @@ def write_report(res: dict, out: Path, command: str) -> None:
         rows.append(f"| {kind} | {cache} | {tot:.2f} | {r['deploy_to_running_s']:.2f} | "
                     f"{r['deploy_to_first_200_s']:.2f} | "
                     + " | ".join(shares) + " |")
+    notes = []
+    if any(kind == "naive" for kind, _, _ in runs):
+        notes.append("naive: its load phase is the article's path, random init on the CPU + `load_state_dict` "
+                     "from the shards + `.half().cuda()`.\n\n")
+    missing = [k for k in res.get("warm", {}) if res.get("cold") and k not in res["cold"]]
+    if missing:
+        notes.append(f"Not measured with a cold cache: {', '.join(missing)} (the run was cut short).\n\n")
     (out / "coldstart-report.md").write_text(
         "Replica start in Ray Serve: deploy -> warm (the replica's clock) -> RUNNING (Ray's "
         "status, polled) -> first 200, each replica alone on the GPU; phase shares of "
         "deploy -> warm.\n\n"
-        + "\n".join(rows) + f"\n\nCommand: `{command}`\n")
+        + "\n".join(rows) + "\n\n" + "".join(notes) + f"Command: `{command}`\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -256,19 +263,68 @@ def write_report(res: dict, out: Path, command: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(runs)))
     colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854"]
     labels = [f"{kind} ({cache})" for kind, cache, _ in runs]
+    # a start of minutes (the naive path) would squash every other bar: cut it at the axis
+    totals = sorted(r["deploy_to_warm_s"] for _, _, r in runs)
+    xmax = totals[-1] if len(totals) < 2 or totals[-1] < 3 * totals[-2] else 1.4 * max(
+        t for t in totals if t < totals[-1] / 3)
     for i, (kind, cache, r) in enumerate(runs):
         left = 0.0
         for k, c in zip(order, colors):
             w = r["phases"].get(k, 0.0)
             ax.barh(i, w, left=left, color=c, label=k if i == 0 else None)
             left += w
-        ax.text(left + 0.3, i, f"{r['deploy_to_warm_s']:.1f} s", va="center", fontsize=8)
+        if left > xmax:  # the label inside the cut bar's end
+            ax.text(xmax, i, f"{r['deploy_to_warm_s']:.1f} s (bar cut) ", va="center", ha="right", fontsize=8,
+                    bbox=dict(facecolor="white", edgecolor="none", pad=1))
+        else:
+            ax.text(left + 0.3, i, f"{r['deploy_to_warm_s']:.1f} s", va="center", fontsize=8)
+    ax.set_xlim(0, xmax + 4)
     ax.set_yticks(range(len(runs)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds from deploy to warm")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "coldstart-report.png", dpi=120)
+
+
+def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> None:
+    """serve.json / serve.md (and the report) from the measurements in ``res``."""
+    summary: dict = {}
+    if "scale_up" in res:
+        summary["scale_up_decision_to_first_answer_s"] = res["scale_up"]["decision_to_first_answer_s"]
+    if "disk" in res:
+        disk_s = res["disk"]["nbytes"] / 1e9 / res["disk"]["GBps"]
+        summary["disk_GBps"], summary["disk_read_s"] = res["disk"]["GBps"], disk_s
+        summary["cold_goal_s"] = res["cold"]["minimal"]["deploy_to_warm_s"] + disk_s
+    for cache in ("warm", "cold"):
+        r = res.get(cache, {})
+        for kind, v in r.items():
+            summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
+        if "coldstart" in r:
+            summary[f"coldstart_minus_minimal_{cache}_s"] = (
+                r["coldstart"]["deploy_to_warm_s"] - r["minimal"]["deploy_to_warm_s"])
+            summary[f"coldstart_over_transformers_{cache}"] = (
+                r["coldstart"]["deploy_to_warm_s"] / r["transformers"]["deploy_to_warm_s"])
+    summary["command"] = command
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps({**summary, "detail": res}, indent=2))
+    md = ["Deploy -> replica warm (constructor and reconfigure done), each deployment alone.", "",
+          "| replica | warm cache s | cold cache s |", "|---|---|---|"]
+    for k in dict.fromkeys([*res.get("warm", {}), *res.get("cold", {})]):
+        w = res["warm"].get(k, {}).get("deploy_to_warm_s")
+        c = res["cold"].get(k, {}).get("deploy_to_warm_s")
+        md.append(f"| {k} | {'' if w is None else f'{w:.2f}'} | {'' if c is None else f'{c:.2f}'} |")
+    missing = [k for k in res.get("warm", {}) if res.get("cold") and k not in res["cold"]]
+    if missing:
+        md.append(f"Not measured with a cold cache: {', '.join(missing)} (the run was cut short).")
+    md += [""] + goal_lines(summary)
+    md += ["", json.dumps({k: round(v, 3) for k, v in summary.items() if k != "command"}), "",
+           f"Command: `{command}`", ""]
+    (out / "serve.md").write_text("\n".join(md))
+    print("\n".join(md))
+    if report_dir:
+        write_report(res, Path(report_dir), command)
 
 
 def main() -> None:
@@ -282,10 +338,17 @@ def main() -> None:
     ap.add_argument("--skip-cold", action="store_true")
     ap.add_argument("--naive", action="store_true", help="add the article's naive path (minutes)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
+    ap.add_argument("--from-partial", metavar="JSON",
+                    help="write serve.json/md (and --report) from a cut-short run's serve-partial.json")
     ap.add_argument("--scale-up-only", action="store_true", help="only the scale-up figure (2 GPUs)")
     ap.add_argument("--scale-up", action="store_true",
                     help="also time a 1 -> 2 replica scale-up under load (needs 2 GPUs)")
     a = ap.parse_args()
+    if a.from_partial:
+        res = json.loads(Path(a.from_partial).read_text())
+        command = res.pop("command", None) or f"PYTHONPATH=$PWD python bench/serve.py (cut short; {a.from_partial})"
+        finish(res, a.out, a.report, command)
+        return
     from deployments.app import LLMDeployment
 
     if a.hf and a.packed:
@@ -319,7 +382,7 @@ def main() -> None:
     if a.naive:
         # Ray gives a 1-CPU actor one torch thread: random init of 7B on one core takes
         # minutes, which no one would deploy; give the naive path the cores it would have
-        cpus = min(8, os.cpu_count() or 1) if a.num_gpus else 1
+        cpus = max(1, min(16, (os.cpu_count() or 2) // 2)) if a.num_gpus else 1
         naive = TransformersReplica.options(ray_actor_options={**gpus, "num_cpus": cpus})
         kinds["naive"] = lambda tag: measure(f"naive-{tag}", naive.bind(str(hf), True), "", {})
     res: dict = {"warm": {}, "cold": {}}
@@ -337,46 +400,13 @@ def main() -> None:
             res[cache][kind] = run(cache)
             # a run cut short (a time limit) still leaves what it measured
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / "serve-partial.json").write_text(json.dumps(res, indent=2))
+            (Path(a.out) / "serve-partial.json").write_text(json.dumps(
+                {**res, "command": "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])}, indent=2))
 
     if a.scale_up:
         warm_cache(packed)
         res["scale_up"] = scale_up(packed, a.num_gpus, "cuda" if a.num_gpus else "cpu")
-    summary: dict = {}
-    if "scale_up" in res:
-        summary["scale_up_decision_to_first_answer_s"] = res["scale_up"]["decision_to_first_answer_s"]
-    if "disk" in res:
-        disk_s = res["disk"]["nbytes"] / 1e9 / res["disk"]["GBps"]
-        summary["disk_GBps"], summary["disk_read_s"] = res["disk"]["GBps"], disk_s
-        summary["cold_goal_s"] = res["cold"]["minimal"]["deploy_to_warm_s"] + disk_s
-    for cache, r in res.items():
-        if cache in ("scale_up", "disk"):
-            continue
-        for kind, v in r.items():
-            summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
-        if "coldstart" in r:
-            summary[f"coldstart_minus_minimal_{cache}_s"] = (
-                r["coldstart"]["deploy_to_warm_s"] - r["minimal"]["deploy_to_warm_s"])
-            summary[f"coldstart_over_transformers_{cache}"] = (
-                r["coldstart"]["deploy_to_warm_s"] / r["transformers"]["deploy_to_warm_s"])
-    command = "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])
-    summary["command"] = command
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps({**summary, "detail": res}, indent=2))
-    md = ["Deploy -> replica warm (constructor and reconfigure done), each deployment alone.", "",
-          "| replica | warm cache s | cold cache s |", "|---|---|---|"]
-    for k in kinds:
-        w = res["warm"][k]["deploy_to_warm_s"]
-        c = res["cold"].get(k, {}).get("deploy_to_warm_s")
-        md.append(f"| {k} | {w:.2f} | {'' if c is None else f'{c:.2f}'} |")
-    md += [""] + goal_lines(summary)
-    md += ["", json.dumps({k: round(v, 3) for k, v in summary.items() if k != "command"}), "",
-           f"Command: `{command}`", ""]
-    (out / "serve.md").write_text("\n".join(md))
-    print("\n".join(md))
-    if a.report:
-        write_report(res, Path(a.report), command)
+    finish(res, a.out, a.report, "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:]))
     serve.shutdown()
     ray.shutdown()
 

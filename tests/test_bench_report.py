@@ -1,0 +1,58 @@
+"""bench/serve.py's report: serve.json / serve.md and coldstart-report.{json,md,png} from the
+measurements a run made, including one that was cut short before every cold run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _run(total: float, **phases: float) -> dict:
+    return {"deploy_to_warm_s": total, "deploy_to_running_s": total + 0.5, "deploy_to_first_200_s": total + 0.6,
+            "process_to_warm_s": total, "phases": phases, "detail": None}
+
+
+@pytest.fixture
+def partial(tmp_path) -> Path:
+    res = {
+        "warm": {"minimal": _run(7.0, ray_and_process=4.0, imports=2.7, context=0.3),
+                 "coldstart": _run(10.0, ray_and_process=3.5, imports=3.4, load=0.5, engine=2.0, warmup=0.6),
+                 "transformers": _run(18.0, ray_and_process=3.7, imports=10.5, load=2.2, warmup=1.6),
+                 "naive": _run(280.0, ray_and_process=4.0, imports=10.0, load=264.0, warmup=2.0)},
+        "cold": {"minimal": _run(9.5, ray_and_process=5.5, imports=3.5, context=0.5),
+                 "coldstart": _run(16.0, ray_and_process=6.0, imports=5.0, load=3.0, engine=1.5, warmup=0.5),
+                 "transformers": _run(27.0, ray_and_process=4.5, imports=11.0, load=9.0, warmup=2.5)},
+        "disk": {"GBps": 2.0, "nbytes": 13_400_000_000},
+        "command": "PYTHONPATH=$PWD python bench/serve.py --naive",
+    }
+    p = tmp_path / "serve-partial.json"
+    p.write_text(json.dumps(res))
+    return p
+
+
+def test_report_from_a_cut_short_run(partial, tmp_path, monkeypatch):
+    from bench import serve as bench_serve
+
+    out, docs = tmp_path / "results", tmp_path / "docs"
+    monkeypatch.setattr(sys, "argv", ["serve.py", "--from-partial", str(partial), "--out", str(out),
+                                      "--report", str(docs)])
+    bench_serve.main()
+    s = json.loads((out / "serve.json").read_text())
+    assert s["coldstart_minus_minimal_warm_s"] == pytest.approx(3.0)
+    assert s["coldstart_over_transformers_warm"] == pytest.approx(10 / 18)
+    assert s["cold_goal_s"] == pytest.approx(9.5 + 6.7)  # minimal cold + 13.4 GB at 2 GB/s
+    assert s["command"] == "PYTHONPATH=$PWD python bench/serve.py --naive"
+    md = (out / "serve.md").read_text()
+    assert "| naive | 280.00 |  |" in md and "Not measured with a cold cache: naive" in md
+    assert "minimal + 3.00 s (goal: + 2 s or less: not met)" in md
+    assert "= 16.20 s: met" in md  # 16.0 s cold against 16.2 s
+    report = (docs / "coldstart-report.md").read_text()
+    assert report.count("\n| ") == 1 + 7  # the header and one row per measured run
+    assert "random init on the CPU" in report
+    png = (docs / "coldstart-report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
