@@ -7,7 +7,7 @@ Usage (GPU machine):
     python bench/engine.py /tmp/tiny-hf --device cpu --dtype float32 --new-tokens 16 --out /tmp/b.json
 
 Measures: import time of the engine modules (subprocess, torch already imported),
-graph capture + warm-up, first request after warm-up vs the tenth, batch-1
+graph capture + warm-up (the replica's default plan, deployments.config.WarmupPlan), first request after warm-up vs the tenth, batch-1
 decode ms/token (and the GB/s of weights it implies), total tokens/s at 1, 4
 and 16 concurrent requests, and HF eager `generate` ms/token on the same tensors.
 Every timing syncs the device first.
@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from deployments.config import WarmupPlan  # noqa: E402
 from deployments.model import build_model  # noqa: E402
+from deployments.server import run_warmup  # noqa: E402
 
 RANDOM_CONFIGS = {
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -179,21 +181,15 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.perf_counter()
     engine.start()  # CUDA-graph capture
     res["capture_s"] = engine.stats()["capture_s"]
-    engine.generate(prompt(), SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    run_warmup(engine, WarmupPlan(), prompt())  # the replica's default warm-up plan
     sync(device)
     res["capture_warmup_s"] = time.perf_counter() - t
     if args.start_only:
-        # the replica's default warm-up plan (a prompt of 1/8 of the context, 16 tokens; one
-        # request, then 4 at once), twice: the first pays lazy set-up, the second is the work
+        # the warm-up plan again, twice: the first time paid the lazy set-up, this is the work
         plan = []
         for _ in range(2):
             t = time.perf_counter()
-            long = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-            for b in (1, 4):
-                hs = [engine.submit(torch.randint(3, vocab, (max_seq // 8,), generator=gen).tolist(), long)
-                      for _ in range(b)]
-                for h in hs:
-                    h.result(timeout=600)
+            run_warmup(engine, WarmupPlan(), prompt())
             sync(device)
             plan.append(round(time.perf_counter() - t, 3))
         st = engine.stats()

@@ -133,21 +133,8 @@ class LLMServer:
             self.timer.record("total", time.perf_counter() - self._t_start)
 
     def _warmup(self, plan: WarmupPlan) -> None:
-        from deployments.request import SamplingParams
-        cfg = self.engine.config
-        plen = max(1, min(int(plan.prompt_fraction * cfg.max_seq_len),
-                          cfg.max_seq_len - plan.decode_tokens))
         seed = self.tokenizer.encode("The answer is forty-two. " * 8, add_special_tokens=False) or [3]
-        prompt = (seed * (plen // len(seed) + 1))[:plen]
-        params = SamplingParams(max_new_tokens=plan.decode_tokens, temperature=0.0, ignore_eos=True)
-        for _ in range(plan.requests):
-            for b in plan.batch_sizes:
-                b = min(b, cfg.max_slots)
-                handles = [self.engine.submit(prompt, params) for _ in range(b)]
-                for h in handles:
-                    _, _, reason = h.result()
-                    if reason == "error":
-                        raise RuntimeError(f"warm-up request failed: {h.error!r}")
+        run_warmup(self.engine, plan, seed)
 
     def check_health(self) -> None:
         """Cheap; raises when not warm, when the engine loop died, or on a GPU error."""
@@ -339,6 +326,24 @@ class LLMServer:
                              "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})
+
+
+def run_warmup(engine: Any, plan: WarmupPlan, seed: list[int]) -> None:
+    """Run a warm-up plan on an engine: per round and batch size, that many greedy shadow
+    requests at once, each a prompt of ``plan.prompt_fraction`` of the context (``seed``
+    repeated) and ``plan.decode_tokens`` new tokens: the same path as a user's request."""
+    from deployments.request import SamplingParams
+    cfg = engine.config
+    plen = max(1, min(int(plan.prompt_fraction * cfg.max_seq_len), cfg.max_seq_len - plan.decode_tokens))
+    prompt = (seed * (plen // len(seed) + 1))[:plen]
+    params = SamplingParams(max_new_tokens=plan.decode_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(plan.requests):
+        for b in plan.batch_sizes:
+            handles = [engine.submit(prompt, params) for _ in range(min(b, cfg.max_slots))]
+            for h in handles:
+                _, _, reason = h.result()
+                if reason == "error":
+                    raise RuntimeError(f"warm-up request failed: {h.error!r}")
 
 
 def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
