@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -257,6 +258,7 @@ class Transformer(nn.Module):
         self.use_attention_kernel = False  # and the flash-decoding attention (see attention_kernel_for)
         self.attention_kernel_always = False  # COLDSTART_DECODE_ATTENTION=triton
         self.gemv_shapes: frozenset = frozenset()  # and batch-1 projections of these shapes (N, K)
+        self.build_s: dict[str, float] = {}  # build_native's steps, seconds (assemble, kernel tests, GEMV choice)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -510,6 +512,7 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
 
     Raises ValueError listing missing, unexpected and mis-shaped tensors.
     """
+    t_start = time.perf_counter()
     cfg = ModelConfig.from_hf(config)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -546,9 +549,14 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         model.lm_head.weight = model.model.embed_tokens.weight
     fused = fuse_projections(model)
     log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
+    t = time.perf_counter()
+    model.build_s["assemble"] = t - t_start
     model.use_kernels = _kernels_usable(model)
+    model.build_s["kernel_test"], t = time.perf_counter() - t, time.perf_counter()
     model.use_attention_kernel = model.use_kernels and _attention_kernel_wanted(model)
+    model.build_s["attention_test"], t = time.perf_counter() - t, time.perf_counter()
     model.gemv_shapes = _choose_gemv(model) if model.use_kernels else frozenset()
+    model.build_s["gemv_choice"] = time.perf_counter() - t
     log.info("decode kernels: %s", ("Triton (fused norm, SwiGLU, rope + KV write"
                                     + (", attention" if model.use_attention_kernel else "")
                                     + (f", GEMV for {len(model.gemv_shapes)} weight shapes)" if model.gemv_shapes

@@ -93,6 +93,8 @@ class LLMServer:
             ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
             with timer.phase("engine_model"):
                 self.model = build_model(loaded.config, loaded.tensors)
+            for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's steps
+                timer.record(f"engine_model_{step}", seconds)
             with timer.phase("engine_tokenizer"):
                 self.tokenizer = Tokenizer.from_dir(path)
             with timer.phase("engine_kv_cache"):

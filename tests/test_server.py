@@ -52,8 +52,13 @@ def test_cold_replica_answers_503_and_fails_health(tiny_packed):
 
 def test_startup_phases_recorded(server):
     phases = server.timer.as_dict()
-    for name in ("imports", "context", "open", "verify", "load", "engine", "constructor"):
+    for name in ("imports", "context", "open", "verify", "load", "engine", "constructor", "engine_model",
+                 "engine_model_assemble", "engine_model_kernel_test", "engine_model_gemv_choice",
+                 "engine_tokenizer", "engine_kv_cache", "engine_graphs"):
         assert name in phases, name
+    # the native model's build steps are parts of engine_model
+    steps = sum(v for k, v in phases.items() if k.startswith("engine_model_"))
+    assert 0 < steps <= phases["engine_model"]
     assert server.metrics.load_gbps and server.metrics.load_gbps > 0
 
 
