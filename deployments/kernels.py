@@ -24,6 +24,7 @@ This module must stay cheap to import and never fail to: Triton is optional.
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -634,3 +635,32 @@ def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dty
                    _ref_decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5))
 
     return _compare(cases, dtype)
+
+
+def prewarm(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+            device: torch.device | str, *, attention: bool = True, bias: bool = False) -> float:
+    """Launch each kernel a model of these sizes uses once, so that Triton compiles it (or
+    loads it from its cache) now. A replica runs this on a side thread while its weights
+    load; the self-tests at build then find the kernels ready. The inputs have the real
+    widths and the divisibility of real lengths, so the compiled variants are the ones a
+    decode step uses. Returns the seconds spent. Never raises: a kernel that fails here
+    fails again in the self-tests, which say why and turn it off."""
+    if not available(device):
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        self_test(hidden, intermediate, n_heads, n_kv, head_dim, dtype, device)
+        rnd = _rand(dtype, device)
+        if attention and head_dim >= 16 and not head_dim & (head_dim - 1):
+            attention_self_test(n_heads, n_kv, head_dim, dtype, device)
+            q, kc, vc = rnd(1, n_heads, head_dim), rnd(1, n_kv, 512, head_dim), rnd(1, n_kv, 512, head_dim)
+            decode_attention(q, kc, vc, torch.tensor([300], device=device), 512, 0, head_dim**-0.5)
+        for K in (hidden, intermediate):
+            gemv(rnd(1, K), rnd(64, K))
+        if bias:
+            gemv(rnd(1, hidden), rnd(64, hidden), rnd(64))
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+    return time.perf_counter() - t0

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -86,12 +87,16 @@ class LLMServer:
                 f"{path}: no packed model here (model.cst missing); make one with "
                 "`coldstart pack HF_DIR " + str(path) + "`, or run `coldstart serve` for the demo")
         opts = _from_dict(LoadOptions, self.args.load, "args.load")
+        prewarm = _start_prewarm(path, self.device)  # Triton's kernels get ready beside the load
         t0 = time.perf_counter()
         loaded = load_packed(path, self.device, options=opts, timer=timer)
         timer.record("load", time.perf_counter() - t0, loaded.nbytes)
         with timer.phase("engine"):
             ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
             with timer.phase("engine_model"):
+                if prewarm is not None:
+                    with timer.phase("engine_model_prewarm_wait"):  # what the load did not hide
+                        prewarm.join()
                 self.model = build_model(loaded.config, loaded.tensors)
             for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's steps
                 timer.record(f"engine_model_{step}", seconds)
@@ -328,6 +333,37 @@ class LLMServer:
                              "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})
+
+
+def _start_prewarm(path: Any, device: Any) -> threading.Thread | None:
+    """On CUDA, launch the decode kernels once on a side thread (kernels.prewarm), so that
+    Triton compiles them, or loads them from its cache, while the weights load."""
+    import torch
+
+    from deployments import kernels
+    from deployments.model_config import ModelConfig
+
+    if device.type != "cuda" or not kernels.available(device):
+        return None
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        cfg = ModelConfig.from_hf(raw)
+    except Exception:  # noqa: BLE001 - not a native architecture, or unreadable: the load says so
+        return None
+    dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float16"), None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float16
+    attention = os.environ.get("COLDSTART_DECODE_ATTENTION", "auto") != "torch"
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            s = kernels.prewarm(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                                cfg.num_key_value_heads, cfg.head_dim, dtype, device, attention=attention,
+                                bias=cfg.qkv_bias)
+        log.info("decode kernels launched once in %.2f s, beside the load", s)
+
+    t = threading.Thread(target=run, name="kernel-prewarm", daemon=True)
+    t.start()
+    return t
 
 
 def run_warmup(engine: Any, plan: WarmupPlan, seed: list[int]) -> None:
