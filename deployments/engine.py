@@ -22,6 +22,7 @@ fails every request, and `alive()` turns False with the exception in `.error`.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import logging
@@ -172,6 +173,10 @@ class Engine:
             return
         if self._use_graphs:
             self._capture()
+        # Everything made so far (modules, the model, the graphs) lives as long as the process:
+        # move it out of the garbage collector's generations, so that a collection the first
+        # requests trigger does not walk the whole start-up heap (~0.1 s with Ray and torch)
+        gc.freeze()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -287,6 +287,21 @@ def test_stats_and_shutdown(engine):
     assert (s["running"], s["waiting"], s["free_slots"]) == (0, 0, 4)
 
 
+def test_start_takes_the_start_up_heap_out_of_garbage_collection():
+    import gc
+
+    class Made:  # an object the start-up made, alive as long as the engine is
+        pass
+    keep = Made()
+    gc.unfreeze()
+    eng, _ = make_engine(max_slots=2, max_seq_len=64)  # starts it
+    try:
+        assert gc.get_freeze_count() > 0
+        assert not any(o is keep for o in gc.get_objects())  # frozen: collections skip it
+    finally:
+        eng.shutdown()
+
+
 def test_submit_after_shutdown_is_refused():
     eng, _ = make_engine(max_slots=2, max_seq_len=64)
     eng.shutdown()
