@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests load coldsweep kernels profile engine startenv serve naive scaleup
+#   bash bench/gpu.sh OUT tests load coldsweep coldimport kernels profile engine startenv serve naive scaleup
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -30,6 +30,7 @@ for stage in "$@"; do
     naive)   # the article's naive path (minutes per start), added to the serve stage's report
              python3 bench/serve.py --out "$out" --report "$out" --naive --kinds naive --merge $W/serve-partial.json \
                > "$out/serve-naive.log" 2>&1; r=$?; grep -E "warm after|^\\|" "$out/serve-naive.log"; (exit $r) ;;
+    coldimport) python3 bench/cold_import.py $W/packed --out "$out/cold-import.json" ;;
     startenv) # the engine's start under the replica's settings, one at a time (graph capture took
              # 2.1 s in a Ray replica and 0.4 s here); the last with an empty Triton cache
              a="bench/engine.py $W/packed --max-seq-len 4096 --start-only --no-hf"

@@ -62,7 +62,6 @@ class LLMServer:
         # every response says which replica answered (x-coldstart-replica)
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         path = self.args.model_path()
-        prefetch(path)  # before torch: the disk works while Python imports
         self.metrics = metrics or Metrics()
         self.timer = timer = PhaseTimer(sinks=[self.metrics.phase])
         self.warm = False
@@ -77,6 +76,11 @@ class LLMServer:
             from deployments.runtime import check_env, choose_device, create_context
             from deployments.tokenizer import Tokenizer
             from weights.loader import LoadOptions, load as load_packed
+        # Read-ahead of the weights from here on, not before the imports: a bulk read on the
+        # same disk starves the imports' page faults (`import torch` ended only when the
+        # weights were read, bench/cold_import.py), and most of a cold import is CPU work
+        # that the bulk read could not overlap anyway. The context and the checks overlap it.
+        prefetch(path)
         for w in check_env():
             log.warning(w)
         with timer.phase("context"):

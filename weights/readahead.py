@@ -1,9 +1,11 @@
-"""The page cache and a packed model: read-ahead before torch is imported, residency.
+"""The page cache and a packed model: read-ahead ahead of the loader, residency.
 
 ``prefetch(path)`` starts reading the weight file into the page cache and
-returns at once. A replica calls it first thing, so on a cold page cache the
-disk already works while Python spends seconds importing torch and creating
-the CUDA context; the loader then finds most of the file in memory.
+returns at once. A replica calls it right after importing torch, so on a cold
+page cache the disk already works while the CUDA context is made and the
+checks run; the loader then finds the front of the file in memory. (Not before
+the import: a bulk read of the same disk starves the import's page faults,
+and the import then ends only when the read does; bench/cold_import.py.)
 
 One ``posix_fadvise(WILLNEED)`` over the whole file is not enough: Linux reads
 at most max(read_ahead_kb, max_sectors_kb) per call (128 KiB to a few MiB), so
