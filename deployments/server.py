@@ -100,7 +100,10 @@ class LLMServer:
             with timer.phase("engine_model"):
                 if prewarm is not None:
                     with timer.phase("engine_model_prewarm_wait"):  # what the load did not hide
-                        prewarm.join()
+                        prewarm.join(timeout=_PREWARM_WAIT_S)
+                    if prewarm.is_alive():  # never hang a replica on it: the self-tests compile anyway
+                        log.warning("decode kernels still compiling after %d s on the side thread; "
+                                    "building the model without waiting", _PREWARM_WAIT_S)
                 self.model = build_model(loaded.config, loaded.tensors)
             for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's steps
                 timer.record(f"engine_model_{step}", seconds)
@@ -337,6 +340,9 @@ class LLMServer:
                              "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})
+
+
+_PREWARM_WAIT_S = 300  # a first compile of every kernel takes a few seconds
 
 
 def _start_prewarm(path: Any, device: Any) -> threading.Thread | None:
