@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deployments import kernels  # noqa: E402
+from deployments.model import matmul_decode_attention  # noqa: E402
 
 LAYERS = 32
 # (name, N, K, copies): the 7B's batch-1 products; lm_head once per step
@@ -38,24 +39,21 @@ ATTN_CONFIGS = [(bn, w, t) for bn in (16, 32, 64) for w in (2, 4, 8) for t in (1
 
 
 def graph_ms(fn, replays: int = 5) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return min(times)
+    return kernels.graph_ms(fn, "cuda", replays)
+
+
+def try_configs(configs, tag, once, every, want) -> tuple[list[dict], dict]:
+    """Each config: ``once(cfg)`` on one layer checked against ``want`` (max abs error), then
+    ``every(cfg)`` over all the layers timed as one graph. A config that does not compile is a
+    result too. Returns the rows (``tag(cfg)`` plus ms / max_err, or error) and the fastest."""
+    rows = []
+    for cfg in configs:
+        try:
+            err = (once(cfg).float() - want.float()).abs().max().item()
+            rows.append({**tag(cfg), "ms": graph_ms(lambda: every(cfg)), "max_err": err})
+        except Exception as e:  # noqa: BLE001
+            rows.append({**tag(cfg), "error": f"{type(e).__name__}: {e}"[:200]})
+    return rows, min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
 
 
 def sweep_gemv(dtype: torch.dtype) -> dict:
@@ -68,17 +66,12 @@ def sweep_gemv(dtype: torch.dtype) -> dict:
         r = {"N": N, "K": K, "copies": copies, "GB": gb}
         ms = graph_ms(lambda: [F.linear(x, w) for w in ws])
         r["cublas"] = {"ms": ms, "GBps": gb / ms * 1e3}
-        r["triton"] = []
-        for blocks in GEMV_BLOCKS:
-            try:
-                got = kernels._launch_gemv(x, ws[0], None, blocks)
-                err = (got.float() - want.float()).abs().max().item()
-                ms = graph_ms(lambda: [kernels._launch_gemv(x, w, None, blocks) for w in ws])
-                r["triton"].append({"blocks": blocks, "ms": ms, "GBps": gb / ms * 1e3, "max_err": err})
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
-                r["triton"].append({"blocks": blocks, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        ok = [t for t in r["triton"] if "ms" in t]
-        best = min(ok, key=lambda t: t["ms"])
+        r["triton"], best = try_configs(
+            GEMV_BLOCKS, lambda b: {"blocks": b}, lambda b: kernels._launch_gemv(x, ws[0], None, b),
+            lambda b: [kernels._launch_gemv(x, w, None, b) for w in ws], want)
+        for t in r["triton"]:
+            if "ms" in t:
+                t["GBps"] = gb / t["ms"] * 1e3
         r["best"] = best
         print(f"gemv {name:10s} {N:6d}x{K:<6d} cuBLAS {r['cublas']['ms'] / copies * 1e3:7.1f} us "
               f"{r['cublas']['GBps']:6.0f} GB/s | best Triton {best['blocks']} {best['ms'] / copies * 1e3:7.1f} us "
@@ -106,17 +99,6 @@ def sweep_gemv(dtype: torch.dtype) -> dict:
     return {"shapes": out, "step": step}
 
 
-def torch_attention(q, kc, vc, mask_add, n_kv, scale):
-    # the model's batched-matmul decode attention (deployments.model.Attention._decode_attn)
-    B, H, Dh = q.shape
-    L = mask_add.shape[-1]
-    qg = q.reshape(B * n_kv, H // n_kv, Dh)
-    k3 = kc[:B, :, :L].reshape(B * n_kv, L, Dh)
-    v3 = vc[:B, :, :L].reshape(B * n_kv, L, Dh)
-    scores = torch.baddbmm(mask_add, qg, k3.transpose(1, 2), alpha=scale)
-    return torch.bmm(torch.softmax(scores, dim=-1), v3)
-
-
 def sweep_attention(dtype: torch.dtype) -> dict:
     out = {}
     Dh, T = 128, 2048
@@ -128,19 +110,12 @@ def sweep_attention(dtype: torch.dtype) -> dict:
         mask = torch.zeros(B * n_kv, H // n_kv, L, device="cuda", dtype=dtype)
         scale = Dh ** -0.5
         want = kernels._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
-        r = {"torch_ms": graph_ms(lambda: [torch_attention(q, k, v, mask, n_kv, scale) for k, v in caches]),
-             "triton": []}
-        for bn, w, t in ATTN_CONFIGS:
-            try:
-                got = kernels._launch_decode_attention(q, *caches[0], pos, L, 0, scale, bn, w, t)
-                err = (got.float() - want.float()).abs().max().item()
-                ms = graph_ms(lambda: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale, bn, w, t)
-                                       for k, v in caches])
-                r["triton"].append({"block_n": bn, "warps": w, "target": t, "ms": ms, "max_err": err})
-            except Exception as e:  # noqa: BLE001
-                r["triton"].append({"block_n": bn, "warps": w, "target": t, "error": f"{type(e).__name__}: {e}"[:200]})
-        ok = [x for x in r["triton"] if "ms" in x]
-        r["best"] = min(ok, key=lambda x: x["ms"])
+        r = {"torch_ms": graph_ms(lambda: [matmul_decode_attention(q, k[:, :, :L], v[:, :, :L], mask, scale)
+                                             for k, v in caches])}
+        r["triton"], r["best"] = try_configs(
+            ATTN_CONFIGS, lambda c: dict(zip(("block_n", "warps", "target"), c)),
+            lambda c: kernels._launch_decode_attention(q, *caches[0], pos, L, 0, scale, *c),
+            lambda c: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale, *c) for k, v in caches], want)
         r["default_ms"] = graph_ms(lambda: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale)
                                             for k, v in caches])
         print(f"attn {name:14s} torch {r['torch_ms'] / LAYERS * 1e3:7.1f} us/layer | Triton default "

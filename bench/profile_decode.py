@@ -29,20 +29,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.engine import load_tensors  # noqa: E402
+from deployments import kernels  # noqa: E402
 from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from deployments.model import build_model  # noqa: E402
 
 
 def _time_graph(fn, reps: int = 50) -> float:
     """Capture fn once as a graph and return the mean replay time in ms."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = kernels.capture_graph(fn, "cuda")
     g.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()

@@ -511,17 +511,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return _launch_gemv(x.contiguous(), w, bias)
 
 
-def _graph_ms(fn: Callable[[], object], device: torch.device | str, replays: int = 3) -> float:
-    """GPU time of one call of ``fn`` (several launches), captured as a CUDA graph so that
-    Python's launch overhead is not what is measured; the best of a few replays."""
+def capture_graph(fn: Callable[[], object], device: torch.device | str) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (compiles, picks algorithms), then captured as a CUDA graph."""
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
-        fn()  # compile / pick algorithms outside the capture
+        fn()
     torch.cuda.current_stream(device).wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device | str, replays: int = 3) -> float:
+    """GPU time of one call of ``fn`` (several launches), captured as a CUDA graph so that
+    Python's launch overhead is not what is measured; the best of a few replays."""
+    g = capture_graph(fn, device)
     best = float("inf")
     for _ in range(replays + 1):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -556,8 +562,8 @@ def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]
             report[name] = {"error": why}
             continue
         try:
-            ms_torch = _graph_ms(lambda: [F.linear(x, w, b) for w, b in pairs], w0.device)
-            ms_triton = _graph_ms(lambda: [_launch_gemv(x, w, b) for w, b in pairs], w0.device)
+            ms_torch = graph_ms(lambda: [F.linear(x, w, b) for w, b in pairs], w0.device)
+            ms_triton = graph_ms(lambda: [_launch_gemv(x, w, b) for w, b in pairs], w0.device)
         except Exception as e:  # noqa: BLE001 - a failed timing just keeps cuBLAS
             report[name] = {"error": f"{type(e).__name__}: {e}"}
             continue

@@ -81,6 +81,22 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnC
     return F.linear(x, w, b)
 
 
+def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_add: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """A decode step's attention as batched matmuls: q [B, H, (1,) Dh]; k/v: [B, Hkv, L, Dh]
+    strided views of the cache (no copy); mask_add: [B*Hkv, G, L] additive 0/-inf, built once
+    per step. Returns [B*Hkv, G, Dh] (head h = j * G + g). The matmuls read K/V once without
+    repeating kv heads (SDPA with a mask and GQA may fall back to the math path), and baddbmm
+    folds scale + mask into the QK^T kernel."""
+    B, n_kv, L, Dh = k.shape
+    qg = q.reshape(B * n_kv, -1, Dh)
+    k3 = k.reshape(B * n_kv, L, Dh)  # a view: slot and head dims merge
+    v3 = v.reshape(B * n_kv, L, Dh)
+    scores = torch.baddbmm(mask_add, qg, k3.transpose(1, 2), alpha=scale)  # [B*Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1)  # accumulates in fp32 inside, one kernel
+    return torch.bmm(probs, v3)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -132,18 +148,7 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
     def _decode_attn(self, q, k, v, mask_add) -> torch.Tensor:
-        # q: [B, H, 1, Dh]; k/v: [B, Hkv, L, Dh] strided views of the cache (no copy);
-        # mask_add: [B*Hkv, G, L] additive 0/-inf, built once per step. Batched matmuls
-        # read K/V once without repeating kv heads (SDPA with a mask and GQA may fall back
-        # to the math path), and baddbmm folds scale + mask into the QK^T kernel.
-        B, L = q.shape[0], k.shape[2]
-        qg = q.reshape(B * self.n_kv, self.n_rep, self.head_dim)  # head h = j * n_rep + g
-        k3 = k.reshape(B * self.n_kv, L, self.head_dim)  # a view: slot and head dims merge
-        v3 = v.reshape(B * self.n_kv, L, self.head_dim)
-        scores = torch.baddbmm(mask_add, qg, k3.transpose(1, 2), alpha=self.scale)  # [B*Hkv, G, L]
-        probs = torch.softmax(scores, dim=-1)  # accumulates in fp32 inside, one kernel
-        out = torch.bmm(probs, v3)  # [B*Hkv, G, Dh]
-        return out.view(B, self.n_heads, 1, self.head_dim)
+        return matmul_decode_attention(q, k, v, mask_add, self.scale).view(q.shape[0], self.n_heads, 1, self.head_dim)
 
     def _decode_fused(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # one Triton kernel ropes q and k and writes k, v into the cache (8 torch kernels otherwise)
