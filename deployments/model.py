@@ -455,14 +455,21 @@ def _kernels_usable(model: Transformer) -> bool:
     return why is None
 
 
+def kernel_mode(var: str) -> str:
+    """env ``var`` (COLDSTART_DECODE_ATTENTION, COLDSTART_GEMV): auto (the default), triton or
+    torch; anything else is auto, with a warning."""
+    mode = os.environ.get(var, "auto")
+    if mode not in ("auto", "triton", "torch"):
+        log.warning("%s=%r is not one of auto, triton, torch: using auto", var, mode)
+        mode = "auto"
+    return mode
+
+
 def _attention_kernel_wanted(model: Transformer) -> bool:
     """The Triton decode attention (COLDSTART_DECODE_ATTENTION=auto, the default: for the steps
     where it is faster, see Transformer.attention_kernel_for; =triton: every step; =torch:
     none), when it passes its self-test."""
-    mode = os.environ.get("COLDSTART_DECODE_ATTENTION", "auto")
-    if mode not in ("auto", "triton", "torch"):
-        log.warning("COLDSTART_DECODE_ATTENTION=%r is not one of auto, triton, torch: using auto", mode)
-        mode = "auto"
+    mode = kernel_mode("COLDSTART_DECODE_ATTENTION")
     model.attention_kernel_always = mode == "triton"
     if mode == "torch":
         return False
@@ -478,10 +485,7 @@ def _choose_gemv(model: Transformer) -> frozenset:
     """Weight shapes whose batch-1 products go through the Triton GEMV: by default those
     where it times faster than cuBLAS on this GPU (kernels.gemv_choice, ~0.1 s);
     COLDSTART_GEMV=triton takes it for every projection, =torch for none."""
-    mode = os.environ.get("COLDSTART_GEMV", "auto")
-    if mode not in ("auto", "triton", "torch"):
-        log.warning("COLDSTART_GEMV=%r is not one of auto, triton, torch: using auto", mode)
-        mode = "auto"
+    mode = kernel_mode("COLDSTART_GEMV")
     if mode == "torch":
         return frozenset()
     groups: dict[tuple[int, int], dict] = {}

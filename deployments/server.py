@@ -351,6 +351,7 @@ def _start_prewarm(path: Any, device: Any) -> threading.Thread | None:
     import torch
 
     from deployments import kernels
+    from deployments.model import kernel_mode
     from deployments.model_config import ModelConfig
 
     if device.type != "cuda" or not kernels.available(device):
@@ -362,7 +363,7 @@ def _start_prewarm(path: Any, device: Any) -> threading.Thread | None:
         return None
     dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float16"), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float16
-    attention = os.environ.get("COLDSTART_DECODE_ATTENTION", "auto") != "torch"
+    attention = kernel_mode("COLDSTART_DECODE_ATTENTION") != "torch"
 
     def run() -> None:
         with torch.cuda.device(device):

@@ -310,3 +310,16 @@ def test_model_decodes_with_torch_kernels_when_triton_fails(monkeypatch, caplog)
     assert "fused Triton kernels off (RuntimeError: Failed to find C compiler" in caplog.text
     tokens = torch.randint(0, cfg["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(model(tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value, mode", [(None, "auto"), ("torch", "torch"), ("triton", "triton"), ("fast", "auto")])
+def test_kernel_mode_reads_the_env_and_warns_on_a_bad_value(value, mode, monkeypatch, caplog):
+    from deployments.model import kernel_mode
+
+    if value is None:
+        monkeypatch.delenv("COLDSTART_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("COLDSTART_GEMV", value)
+    with caplog.at_level("WARNING", logger="deployments.model"):
+        assert kernel_mode("COLDSTART_GEMV") == mode
+    assert ("COLDSTART_GEMV='fast' is not one of auto, triton, torch" in caplog.text) == (value == "fast")
