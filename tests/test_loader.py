@@ -15,7 +15,7 @@ from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOpti
                      load, pack, read_packed)
 from weights.checksum import chunk_sums
 from weights.format import PREAMBLE_BYTES
-from weights.loader import check_fits
+from weights.loader import PendingLoad, check_fits, start_load
 
 
 def _source(src: Path) -> dict[str, torch.Tensor]:
@@ -84,6 +84,35 @@ def test_missing_packed_file(tmp_path):
         load(tmp_path, "cpu")
 
 
+def test_start_load_on_cpu_is_done_at_once(tiny_packed):
+    p = start_load(tiny_packed, "cpu")
+    assert p.done()
+    m = p.wait()
+    ref = load(tiny_packed, "cpu")
+    assert set(m.tensors) == set(ref.tensors)
+    assert all(torch.equal(m.tensors[k], ref.tensors[k]) for k in ref.tensors)
+
+
+def test_pending_load_hands_its_error_to_the_waiter(tiny_packed):
+    """The bytes arrive on a thread of the load's own; wait() blocks until that thread is done
+    and re-raises its error in the caller (a checksum mismatch, a read error)."""
+    import threading
+    m = load(tiny_packed, "cpu")
+    go = threading.Event()
+
+    def work() -> None:
+        go.wait(10)
+        raise PackedFormatError("checksum mismatch in chunk 3 (test)")
+    p = PendingLoad(m.path, m.packed, m.device, m.buffer, m.config, PhaseTimer(), work)
+    assert not p.done() and p.tensors.keys() == m.tensors.keys()  # views exist before the bytes
+    with pytest.raises(TimeoutError, match="still loading"):
+        p.wait(timeout=0.05)
+    go.set()
+    with pytest.raises(PackedFormatError, match="chunk 3"):
+        p.wait()
+    assert p.done()
+
+
 # ---- GPU: run on the GPU machine ----
 
 @gpu
@@ -102,6 +131,19 @@ def test_gpu_bit_exact(small_hf, tmp_path_factory, threads, read_bytes, direct):
         assert torch.equal(_bits(g), _bits(t)), name
     assert all(t.untyped_storage().data_ptr() == m.buffer.untyped_storage().data_ptr()
                for t in m.tensors.values())
+
+
+@gpu
+def test_gpu_start_load_returns_before_the_bytes_and_wait_gives_them_all(small_hf, tmp_path):
+    dest = pack(small_hf, tmp_path / "p", PackOptions(chunk_bytes=65536, progress=False))
+    timer = PhaseTimer()
+    p = start_load(dest, "cuda", options=LoadOptions(threads=2, read_bytes=65536, adapt=False), timer=timer)
+    views = dict(p.tensors)  # usable now: same addresses as after the load
+    m = p.wait()
+    assert p.done() and all(m.tensors[k].data_ptr() == v.data_ptr() for k, v in views.items())
+    for name, t in _source(small_hf).items():
+        assert torch.equal(_bits(m.tensors[name]), _bits(t)), name
+    assert {"open", "alloc", "assemble", "read_copy", "verify"} <= set(timer.as_dict())
 
 
 @gpu
@@ -134,6 +176,9 @@ def test_gpu_load_detects_a_corrupt_chunk(tiny_packed, tmp_path):
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(PackedFormatError, match=r"checksum mismatch in chunk \d+"):
         load(d, "cuda")
+    pending = start_load(d, "cuda")  # the same through a load that runs beside other work
+    with pytest.raises(PackedFormatError, match=r"checksum mismatch in chunk \d+"):
+        pending.wait()
 
 
 @gpu

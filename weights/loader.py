@@ -25,8 +25,10 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -138,6 +140,70 @@ def load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
         >>> m = load("weights/demo", "cpu")
         >>> m.tensors["model.embed_tokens.weight"].shape
     """
+    return start_load(path, device, options=options, timer=timer).wait()
+
+
+class PendingLoad:
+    """A load under way (``start_load``): the buffer and every tensor view exist already,
+    their bytes arrive on the loader's threads.
+
+    Work that needs only the tensors' shapes and addresses (building a model over the
+    views, self-tests of kernels, CUDA graph capture) can run meanwhile; nothing may read
+    the weights' values before ``wait()`` has returned, which is also what raises a
+    checksum mismatch or a read error.
+    """
+
+    def __init__(self, path: Path, packed: PackedFile, device: torch.device, buffer: torch.Tensor,
+                 config: dict, timer: PhaseTimer, work: "Callable[[], None] | None" = None):
+        self.path, self.packed, self.device, self.buffer = path, packed, device, buffer
+        self.config, self.timer = config, timer
+        with timer.phase("assemble"):
+            self.tensors = _views(packed, buffer)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.finished_at = time.perf_counter()  # perf_counter() when the last byte was checked
+        if work is not None:
+            self._thread = threading.Thread(target=self._run, args=(work,), name="coldstart-load",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self, work: "Callable[[], None]") -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self._error = e
+        self.finished_at = time.perf_counter()
+
+    @property
+    def background(self) -> bool:
+        """Whether the bytes arrive on the load's own thread (a GPU load), not before start_load returned."""
+        return self._thread is not None
+
+    def done(self) -> bool:
+        """Whether every byte has arrived and been checked (or the load failed)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> LoadedModel:
+        """Block until the load has finished; re-raise its error in the caller's thread."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"{self.packed.path}: still loading after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return LoadedModel(self.path, self.packed, self.device, self.buffer, self.tensors, self.config,
+                           self.timer)
+
+
+def start_load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
+               options: LoadOptions | None = None, timer: PhaseTimer | None = None) -> PendingLoad:
+    """Start loading a packed model (see ``load``) and return as soon as the device buffer
+    is allocated and its tensor views exist; ``PendingLoad.wait()`` finishes the load.
+
+    On a GPU the reads, copies and checksums go on in a background thread. On the CPU the
+    load is a memory map and its verification, done before this returns. Errors found up
+    front (a bad file, too little device memory) raise here; later ones from ``wait()``.
+    """
     opts = options or LoadOptions()
     timer = timer or PhaseTimer()
     dev = torch.device(device)
@@ -146,14 +212,11 @@ def load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
         d = packed.path.parent
         config = _read_config(d)
     if dev.type == "cpu":
-        buffer = _load_cpu(packed, opts, timer)
-    elif dev.type == "cuda":
-        buffer = _load_cuda(packed, dev, opts, timer)
-    else:
-        raise ValueError(f"device={device!r}: only cpu and cuda are supported")
-    with timer.phase("assemble"):
-        tensors = _views(packed, buffer)
-    return LoadedModel(d, packed, dev, buffer, tensors, config, timer)
+        return PendingLoad(d, packed, dev, _load_cpu(packed, opts, timer), config, timer)
+    if dev.type == "cuda":
+        buffer, work = _start_cuda(packed, dev, opts, timer)
+        return PendingLoad(d, packed, buffer.device, buffer, config, timer, work)
+    raise ValueError(f"device={device!r}: only cpu and cuda are supported")
 
 
 def _read_config(d: Path) -> dict:
@@ -200,8 +263,10 @@ def _load_cpu(packed: PackedFile, opts: LoadOptions, timer: PhaseTimer) -> torch
     return buffer
 
 
-def _load_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
-               timer: PhaseTimer) -> torch.Tensor:
+def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
+                timer: PhaseTimer) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Allocate the device buffer (after checking it fits); return it and the work that
+    fills and verifies it, for the load's own thread."""
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if opts.adapt:
@@ -213,16 +278,23 @@ def _load_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         free, total = torch.cuda.mem_get_info(dev)
         check_fits(n, free, total, str(dev), opts.headroom_bytes)
         buffer = torch.empty(n, dtype=torch.uint8, device=dev)
-    rt = _cudart()
-    verifier = _Verifier(packed, buffer, dev) if opts.verify else None
-    with timer.phase("read_copy", nbytes=n, sync=lambda: torch.cuda.synchronize(dev)):
-        _stream_into(packed, buffer, dev, opts, rt, verifier)
-    if verifier is not None:
-        # the sums of most chunks were computed while later ones were still loading;
-        # this phase is only what was left when the last byte arrived
-        with timer.phase("verify", nbytes=n, sync=lambda: torch.cuda.synchronize(dev)):
-            verifier.finish()
-    return buffer
+        # the buffer's (uninitialised) allocation must be complete before other streams write it
+        torch.cuda.current_stream(dev).synchronize()
+
+    def work() -> None:
+        torch.cuda.set_device(dev)
+        rt = _cudart()
+        verifier = _Verifier(packed, buffer, dev) if opts.verify else None
+        # no device-wide sync in these phases: other threads may be using the GPU meanwhile;
+        # every copy has been waited for (its event) when _stream_into returns
+        with timer.phase("read_copy", nbytes=n):
+            _stream_into(packed, buffer, dev, opts, rt, verifier)
+        if verifier is not None:
+            # the sums of most chunks were computed while later ones were still loading;
+            # this phase is only what was left when the last byte arrived
+            with timer.phase("verify", nbytes=n):
+                verifier.finish()
+    return buffer, work
 
 
 def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:
