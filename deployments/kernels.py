@@ -519,7 +519,7 @@ def capture_graph(fn: Callable[[], object], device: torch.device | str) -> torch
         fn()
     torch.cuda.current_stream(device).wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):  # loader threads may run meanwhile
         fn()
     return g
 
@@ -546,7 +546,8 @@ def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]
     ``groups``: projection name -> its (weight, bias) in every layer. For each, checks the
     GEMV against F.linear on one layer's weight, then times both over all the layers (the
     real weights, so caches behave as in decoding) and picks the GEMV where it is faster by
-    more than ``margin``. About a millisecond per projection and method. Returns the chosen
+    more than ``margin``. The weights' values are never read for the verdict (the timing does
+    not depend on them). About a millisecond per projection and method. Returns the chosen
     (N, K) shapes and, per projection, the timings or why the GEMV was not usable.
     """
     chosen: set[tuple[int, int]] = set()
@@ -556,8 +557,16 @@ def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]
         if not available(w0.device):
             report[name] = {"error": "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"}
             continue
-        x = _rand(w0.dtype, w0.device)(1, w0.shape[1])
-        why = _compare(lambda: iter([(name, gemv(x, w0, b0), F.linear(x, w0, b0))]), w0.dtype)
+        rnd = _rand(w0.dtype, w0.device)
+        x = rnd(1, w0.shape[1])
+        # checked on random values of the weight's width, never on the weights themselves: a
+        # replica builds its model while the weights' bytes are still arriving. Up to 4096 rows
+        # plus the shape's remainder modulo 64, so the kernel's tail handling is covered too
+        N, K = w0.shape
+        wt = rnd(min(N, 4096 + N % 64), K) * K**-0.5  # outputs of a real layer's size
+        bt = None if b0 is None else rnd(wt.shape[0])
+        why = _compare(lambda: iter([(name, gemv(x, wt, bt), F.linear(x, wt, bt))]), w0.dtype)
+        wt = bt = None  # free it before the timing
         if why:
             report[name] = {"error": why}
             continue
@@ -641,32 +650,3 @@ def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dty
                    _ref_decode_attention(q, kc, vc, pos, 200, window, head_dim**-0.5))
 
     return _compare(cases, dtype)
-
-
-def prewarm(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
-            device: torch.device | str, *, attention: bool = True, bias: bool = False) -> float:
-    """Launch each kernel a model of these sizes uses once, so that Triton compiles it (or
-    loads it from its cache) now. A replica runs this on a side thread while its weights
-    load; the self-tests at build then find the kernels ready. The inputs have the real
-    widths and the divisibility of real lengths, so the compiled variants are the ones a
-    decode step uses. Returns the seconds spent. Never raises: a kernel that fails here
-    fails again in the self-tests, which say why and turn it off."""
-    if not available(device):
-        return 0.0
-    t0 = time.perf_counter()
-    try:
-        self_test(hidden, intermediate, n_heads, n_kv, head_dim, dtype, device)
-        rnd = _rand(dtype, device)
-        if attention and head_dim >= 16 and not head_dim & (head_dim - 1):
-            attention_self_test(n_heads, n_kv, head_dim, dtype, device)
-            q, kc, vc = rnd(1, n_heads, head_dim), rnd(1, n_kv, 512, head_dim), rnd(1, n_kv, 512, head_dim)
-            decode_attention(q, kc, vc, torch.tensor([300], device=device), 512, 0, head_dim**-0.5)
-        for K in (hidden, intermediate):
-            gemv(rnd(1, K), rnd(64, K))
-        if bias:
-            gemv(rnd(1, hidden), rnd(64, hidden), rnd(64))
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception:  # noqa: BLE001 - see the docstring
-        pass
-    return time.perf_counter() - t0
