@@ -259,7 +259,9 @@ class Engine:
         for B in reversed(cfg.graph_batch_sizes):
             for L in reversed(cfg.kv_len_buckets):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                # thread_local: the loader's threads may still be copying weights meanwhile (their
+                # CUDA calls must not invalidate this capture, nor be refused because of it)
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                     out = self._decode_eager(B, L)
                 self._graphs[(B, L)] = (g, out)
         torch.cuda.synchronize(self.device)

@@ -286,6 +286,11 @@ class Transformer(nn.Module):
         self._sin = torch.cat((-emb.sin(), emb.sin()), dim=-1).to(self.dtype)  # sign folded for the half swap
         self.rope_len = max_seq_len
 
+    def weights_loaded(self) -> None:
+        """The weights' bytes have all arrived (a build over a buffer still loading): redo, in
+        place, what the build copied out of them."""
+        refresh_copies(self)
+
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
         return KVCache(self.config, max_slots, max_seq_len, self.dtype, self.device)
 
@@ -419,7 +424,23 @@ def _bias(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if ts[0] is None:
         return None
     # biases are 4 KiB-padded apart in a packed file; a few KB per layer, so a copy is fine
+    # (refresh_copies makes it again when the weights' bytes arrive after the build)
     return adjacent_view(ts) if adjacent_view(ts) is not None else torch.cat(ts)
+
+
+def refresh_copies(model: Transformer) -> int:
+    """Copy again, in place, what the build copied out of the weights (fused biases that
+    were not adjacent), for a model built over a buffer that was still loading. In place,
+    because captured CUDA graphs hold these tensors' addresses. Returns how many."""
+    n = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for fused, parts in ((a.qkv_b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                             (m.gate_up_b, [m.gate_proj.bias, m.up_proj.bias])):
+            if fused is not None and adjacent_view(parts) is None:
+                fused.copy_(torch.cat(parts))
+                n += 1
+    return n
 
 
 def fuse_projections(model: Transformer) -> int:

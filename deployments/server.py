@@ -4,11 +4,14 @@
 tools build it directly. ``deployments.app`` adds the deployment options.
 
 Start-up order (each step timed; phases go to the log and the metrics):
-  1. read-ahead of the weight file (a cold disk starts now, under the imports)
-  2. imports: torch and the engine modules (never transformers for native models)
-  3. runtime: pick the device, preflight checks, create the CUDA context
-  4. load: the packed model into one device buffer, verified as it loads
-  5. engine: model over views of that buffer, tokenizer, KV cache, CUDA graphs
+  1. imports: torch and the engine modules (never transformers for native models)
+  2. read-ahead of the weight file (a cold disk starts now), preflight checks,
+     the device and its CUDA context
+  3. load: the packed model into one device buffer, verified as it loads, on the
+     loader's threads; meanwhile
+  4. engine: model over views of that buffer, kernels' self-tests, tokenizer,
+     KV cache, CUDA graphs (shapes and addresses only; nothing reads a weight
+     before the load has finished and its checksums matched)
 Then ``reconfigure(user_config)`` runs the warm-up plan through the same path
 as requests; only then does ``check_health`` pass, so Ray routes traffic to
 warm replicas only.
@@ -16,13 +19,14 @@ warm replicas only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
-import threading
+import sys
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -71,11 +75,11 @@ class LLMServer:
         with timer.phase("imports"):
             import torch  # noqa: F401  (the cost is what this phase measures)
 
-            from deployments.engine import Engine, EngineConfig
-            from deployments.model import build_model
+            from deployments.engine import EngineConfig
+            from deployments.model import NATIVE_ARCHITECTURES, architecture
             from deployments.runtime import check_env, choose_device, create_context
-            from deployments.tokenizer import Tokenizer
-            from weights.loader import LoadOptions, load as load_packed
+            from deployments.tokenizer import Tokenizer  # noqa: F401  (imported here, used by _build_engine)
+            from weights.loader import LoadOptions, start_load
         # Read-ahead of the weights from here on, not before the imports: a bulk read on the
         # same disk starves the imports' page faults (`import torch` ended only when the
         # weights were read, bench/cold_import.py), and most of a cold import is CPU work
@@ -91,28 +95,34 @@ class LLMServer:
                 f"{path}: no packed model here (model.cst missing); make one with "
                 "`coldstart pack HF_DIR " + str(path) + "`, or run `coldstart serve` for the demo")
         opts = _from_dict(LoadOptions, self.args.load, "args.load")
-        prewarm = _start_prewarm(path, self.device)  # Triton's kernels get ready beside the load
+        ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
         t0 = time.perf_counter()
-        loaded = load_packed(path, self.device, options=opts, timer=timer)
-        timer.record("load", time.perf_counter() - t0, loaded.nbytes)
-        with timer.phase("engine"):
-            ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
-            with timer.phase("engine_model"):
-                if prewarm is not None:
-                    with timer.phase("engine_model_prewarm_wait"):  # what the load did not hide
-                        prewarm.join(timeout=_PREWARM_WAIT_S)
-                    if prewarm.is_alive():  # never hang a replica on it: the self-tests compile anyway
-                        log.warning("decode kernels still compiling after %d s on the side thread; "
-                                    "building the model without waiting", _PREWARM_WAIT_S)
-                self.model = build_model(loaded.config, loaded.tensors)
-            for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's steps
-                timer.record(f"engine_model_{step}", seconds)
-            with timer.phase("engine_tokenizer"):
-                self.tokenizer = Tokenizer.from_dir(path)
-            with timer.phase("engine_kv_cache"):
-                self.engine = Engine(self.model, self.tokenizer, ecfg)
-            with timer.phase("engine_graphs"):  # first kernels (Triton compiles here), graph capture
-                self.engine.start()
+        pending = start_load(path, self.device, options=opts, timer=timer)
+        # The engine is built while the weights' bytes arrive: the model over the buffer's views,
+        # the kernels' self-tests and GEMV choice (on their own inputs), the KV cache and the CUDA
+        # graphs need the weights' shapes and addresses, never their values. Only a native model
+        # can (transformers' classes may copy the weights as they take them).
+        overlap = (pending.background and build_during_load()
+                   and architecture(pending.config) in NATIVE_ARCHITECTURES)
+        loaded = None if overlap else self._finish_load(pending, t0)
+        with _gil_switch(_OVERLAP_SWITCH_S if overlap else None):
+            try:
+                self._build_engine(pending, path, ecfg)
+            except BaseException:
+                if loaded is None:  # let the loader's threads end before the error unwinds the replica
+                    try:
+                        pending.wait()
+                    except BaseException:  # noqa: BLE001 - the build's error is the one to report
+                        pass
+                raise
+            if loaded is None:
+                try:
+                    with timer.phase("load_wait"):  # the part of the load the engine's build did not hide
+                        loaded = self._finish_load(pending, t0)
+                    self.model.weights_loaded()
+                except BaseException:
+                    self.engine.shutdown()  # a corrupt or unreadable file: nothing may serve its bytes
+                    raise
         self.loaded = loaded
         self.model_name = self.args.model_name or path.name
         timer.record("constructor", time.perf_counter() - t_start)
@@ -126,6 +136,31 @@ class LLMServer:
         }
         if self.args.fault_injection:
             self._routes[("POST", "/admin/fault")] = self._fault
+
+    def _build_engine(self, pending: Any, path: Any, ecfg: Any) -> None:
+        """Model over the load's tensor views, tokenizer, KV cache, CUDA graphs: phase engine."""
+        from deployments.engine import Engine  # imported in the imports phase already
+        from deployments.model import build_model
+        from deployments.tokenizer import Tokenizer
+        timer = self.timer
+        with timer.phase("engine"):
+            with timer.phase("engine_model"):
+                self.model = build_model(pending.config, pending.tensors)
+            for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's steps
+                timer.record(f"engine_model_{step}", seconds)
+            with timer.phase("engine_tokenizer"):
+                self.tokenizer = Tokenizer.from_dir(path)
+            with timer.phase("engine_kv_cache"):
+                self.engine = Engine(self.model, self.tokenizer, ecfg)
+            with timer.phase("engine_graphs"):  # first kernel launches, graph capture
+                self.engine.start()
+
+    def _finish_load(self, pending: Any, t0: float) -> Any:
+        """Wait for the weights (re-raising a read or checksum error); record the load's phase:
+        its own duration and rate, from its start, whatever ran beside it."""
+        loaded = pending.wait()
+        self.timer.record("load", pending.finished_at - t0, loaded.nbytes)
+        return loaded
 
     # ---- lifecycle ---------------------------------------------------------
     def reconfigure(self, user_config: dict | None) -> None:
@@ -342,39 +377,32 @@ class LLMServer:
                              **self.metrics.snapshot()})
 
 
-_PREWARM_WAIT_S = 300  # a first compile of every kernel takes a few seconds
+# While the engine is built beside the load, the build (Python-heavy: kernel launches, graph
+# capture) would keep the GIL for the default 5 ms each time a loader thread asks for it
+# back, several times per piece it reads; 0.5 ms bounds that wait
+_OVERLAP_SWITCH_S = 0.0005
 
 
-def _start_prewarm(path: Any, device: Any) -> threading.Thread | None:
-    """On CUDA, launch the decode kernels once on a side thread (kernels.prewarm), so that
-    Triton compiles them, or loads them from its cache, while the weights load."""
-    import torch
-
-    from deployments import kernels
-    from deployments.model import kernel_mode
-    from deployments.model_config import ModelConfig
-
-    if device.type != "cuda" or not kernels.available(device):
-        return None
+@contextlib.contextmanager
+def _gil_switch(seconds: float | None) -> Iterator[None]:
+    """sys.setswitchinterval(seconds) inside the block (None: unchanged)."""
+    old = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
     try:
-        raw = json.loads((path / "config.json").read_text())
-        cfg = ModelConfig.from_hf(raw)
-    except Exception:  # noqa: BLE001 - not a native architecture, or unreadable: the load says so
-        return None
-    dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "float16"), None)
-    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float16
-    attention = kernel_mode("COLDSTART_DECODE_ATTENTION") != "torch"
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
-    def run() -> None:
-        with torch.cuda.device(device):
-            s = kernels.prewarm(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                                cfg.num_key_value_heads, cfg.head_dim, dtype, device, attention=attention,
-                                bias=cfg.qkv_bias)
-        log.info("decode kernels launched once in %.2f s, beside the load", s)
 
-    t = threading.Thread(target=run, name="kernel-prewarm", daemon=True)
-    t.start()
-    return t
+def build_during_load() -> bool:
+    """COLDSTART_BUILD_DURING_LOAD (default 1): build the engine while the weights load;
+    0 builds it after the load (slower; for comparison and diagnosis)."""
+    v = os.environ.get("COLDSTART_BUILD_DURING_LOAD", "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        log.warning("COLDSTART_BUILD_DURING_LOAD=%r is not 0 or 1: using 1", v)
+        return True
+    return v in ("1", "true", "yes", "on")
 
 
 def run_warmup(engine: Any, plan: WarmupPlan, seed: list[int]) -> None:

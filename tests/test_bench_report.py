@@ -56,3 +56,14 @@ def test_report_from_a_cut_short_run(partial, tmp_path, monkeypatch):
     assert "random init on the CPU" in report
     png = (docs / "coldstart-report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_phases_of_an_engine_built_beside_the_load_are_its_critical_path():
+    from bench.serve import _ours_phases
+
+    detail = {"imports": 3.0, "context": 0.2, "load": 0.5, "engine": 1.2, "load_wait": 0.05, "warmup": 0.4,
+              "engine_model": 0.6}
+    assert _ours_phases(detail) == {"imports": 3.0, "context": 0.2, "engine": 1.2, "load": 0.05, "warmup": 0.4}
+    sequential = dict(detail)
+    del sequential["load_wait"]
+    assert _ours_phases(sequential)["load"] == 0.5

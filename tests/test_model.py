@@ -323,3 +323,34 @@ def test_kernel_mode_reads_the_env_and_warns_on_a_bad_value(value, mode, monkeyp
     with caplog.at_level("WARNING", logger="deployments.model"):
         assert kernel_mode("COLDSTART_GEMV") == mode
     assert ("COLDSTART_GEMV='fast' is not one of auto, triton, torch" in caplog.text) == (value == "fast")
+
+
+def test_a_model_built_before_its_weights_arrived_serves_the_arrived_ones(tmp_path):
+    """A replica builds the model over the load's buffer while the bytes are still arriving.
+    Here the buffer holds zeros at build time and the real bytes afterwards; once
+    weights_loaded() has run, logits and the engine's greedy tokens are transformers'. Qwen2's
+    q/k/v biases lie 4 KiB apart in a packed file, so the build copied them: a stale copy
+    would change the logits."""
+    from weights import PackOptions, load, pack
+
+    hf, cfg = hf_model("qwen2", tie_word_embeddings=False)
+    with torch.no_grad():  # biases that matter
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 1.0)
+            layer.self_attn.k_proj.bias.normal_(0, 1.0)
+    hf.save_pretrained(tmp_path / "hf")
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    arrived = m.buffer.clone()
+    m.buffer.zero_()  # copy-on-write map: the file stays as it is
+    model = build_model(m.config, m.tensors)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_b is not None and attn.qkv_b.data_ptr() != attn.q_proj.bias.data_ptr()  # a copy
+    held = attn.qkv_b.data_ptr()
+    m.buffer.copy_(arrived)
+    tokens = torch.randint(0, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
+    ref = hf(tokens).logits.detach()
+    assert not torch.allclose(_logits(model, tokens), ref, atol=1e-3)  # the stale copy shows
+    model.weights_loaded()
+    assert attn.qkv_b.data_ptr() == held  # in place: captured graphs keep their addresses
+    torch.testing.assert_close(_logits(model, tokens), ref, atol=1e-4, rtol=1e-4)
+    _engine_greedy_equals_transformers(model, hf)

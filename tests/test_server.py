@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from deployments.config import DeploymentArgs, WarmupPlan
+from conftest import gpu
 from deployments.server import LLMServer, NotWarm
 
 
@@ -229,3 +230,51 @@ def test_fault_injection_fails_health_and_requests_get_503(tiny_packed):
         s.check_health()
     r = c.post("/generate", json={"prompt": "hi"})
     assert r.status_code == 503 and r.headers["retry-after"]
+
+
+# ---- GPU: run on the GPU machine ----
+
+def _greedy(server, prompt: str = "The answer is ", n: int = 12) -> list[int]:
+    from deployments.request import SamplingParams
+    return server.engine.generate(server.tokenizer.encode(prompt),
+                                  SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
+
+
+@gpu
+def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(tiny_packed, monkeypatch):
+    """By default a GPU replica builds its engine (kernel self-tests, CUDA graphs) while the
+    weights' bytes arrive; it must then serve exactly what a replica that waited serves."""
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("COLDSTART_BUILD_DURING_LOAD", flag)
+        s = LLMServer(str(tiny_packed), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
+        try:
+            s.reconfigure({"warmup": {"requests": 1}})
+            runs[flag] = (_greedy(s), s.timer.as_dict())
+        finally:
+            s.shutdown()
+    assert runs["1"][0] == runs["0"][0]
+    assert "load_wait" in runs["1"][1] and "load_wait" not in runs["0"][1]
+    assert runs["1"][1]["load"] > 0 and runs["0"][1]["load"] > 0
+
+
+@gpu
+def test_gpu_corrupt_weights_fail_the_replica_even_with_its_engine_built(tiny_packed, tmp_path):
+    import shutil
+    import threading
+
+    from weights import PackedFormatError, read_packed
+    from weights.format import PREAMBLE_BYTES
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_packed, d)
+    victim = read_packed(d).tensors[0]
+    with open(d / "model.cst", "r+b") as f:
+        f.seek(PREAMBLE_BYTES + victim.offset)
+        b = f.read(1)
+        f.seek(PREAMBLE_BYTES + victim.offset)
+        f.write(bytes([b[0] ^ 1]))
+    before = {t.ident for t in threading.enumerate() if t.name == "engine-loop"}
+    with pytest.raises(PackedFormatError, match="checksum mismatch"):
+        LLMServer(str(d), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
+    assert not [t for t in threading.enumerate() if t.name == "engine-loop" and t.ident not in before]
