@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests load coldsweep coldimport kernels profile engine startenv serve naive scaleup
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile engine startenv serve naive scaleup
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -15,12 +15,13 @@ rc=0
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py \
+    tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py tests/test_server.py \
                tests/test_model.py tests/test_doctor.py tests/test_kernels.py 2>&1 | tee "$out/gpu-tests.log" ;;
+    ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
     load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
     kernels) python3 bench/kernel_sweep.py --out "$out/kernel-sweep.json" 2>&1 | tail -40 ;;
     coldsweep) python3 bench/load.py --out "$out" --cold-sweep-only 2>&1 | tail -30 ;;
-    profile) python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; ensure_checkpoint(Path('$W'), 'llama-7b')" &&
+    profile) bash "$0" "$out" ckpt &&
              python3 bench/profile_decode.py $W/packed --out "$out/decode-profile.json" &&
              COLDSTART_TRITON=0 python3 bench/profile_decode.py $W/packed --out "$out/decode-profile-torch.json" &&
              COLDSTART_GEMV=torch COLDSTART_DECODE_ATTENTION=torch python3 bench/profile_decode.py $W/packed \
