@@ -195,7 +195,7 @@ def scale_up(packed: Path, num_gpus: float, device: str, seconds: float = 120) -
     decided: list[float] = []
 
     def load() -> None:
-        while time.time() < stop and len(seen) < 2:
+        while time.time() < stop and not seen:
             r = httpx.post(f"{BASE}/{name}/generate", timeout=120, json={
                 "prompt": "go", "max_new_tokens": 256, "ignore_eos": True, "temperature": 0})
             rid = r.headers.get("x-coldstart-replica")
@@ -204,7 +204,7 @@ def scale_up(packed: Path, num_gpus: float, device: str, seconds: float = 120) -
 
     with cf.ThreadPoolExecutor(12) as pool:
         futs = [pool.submit(load) for _ in range(12)]
-        while time.time() < stop and len(seen) < 1:
+        while time.time() < stop and not seen:
             states = next(iter(serve.status().applications[name].deployments.values())).replica_states
             if not decided and sum(states.values()) >= 2:
                 decided.append(time.time())

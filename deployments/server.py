@@ -5,8 +5,8 @@ tools build it directly. ``deployments.app`` adds the deployment options.
 
 Start-up order (each step timed; phases go to the log and the metrics):
   1. imports: torch and the engine modules (never transformers for native models)
-  2. read-ahead of the weight file (a cold disk starts now), preflight checks,
-     the device and its CUDA context
+  2. preflight checks, the device and its CUDA context; then the read-ahead of
+     the weight file (a cold disk starts now)
   3. load: the packed model into one device buffer, verified as it loads, on the
      loader's threads; meanwhile
   4. engine: model over views of that buffer, kernels' self-tests, tokenizer,
@@ -80,16 +80,17 @@ class LLMServer:
             from deployments.runtime import check_env, choose_device, create_context
             from deployments.tokenizer import Tokenizer  # noqa: F401  (imported here, used by _build_engine)
             from weights.loader import LoadOptions, start_load
-        # Read-ahead of the weights from here on, not before the imports: a bulk read on the
-        # same disk starves the imports' page faults (`import torch` ended only when the
-        # weights were read, bench/cold_import.py), and most of a cold import is CPU work
-        # that the bulk read could not overlap anyway. The context and the checks overlap it.
-        prefetch(path)
         for w in check_env():
             log.warning(w)
         with timer.phase("context"):
             self.device = choose_device(self.args.device)
             log.info("runtime: %s", create_context(self.device))
+        # Read-ahead of the weights from here on, not before the imports and the context: a
+        # bulk read on the same disk starves their page faults on torch's and CUDA's libraries
+        # (`import torch` ended only when the weights were read, bench/cold_import.py; with a
+        # cold cache the context then took 6.8 s instead of 0.5, bench/results/serve.json).
+        # The engine's build, beside the load, is what the read overlaps.
+        prefetch(path)
         if not (path / "model.cst").is_file():
             raise FileNotFoundError(
                 f"{path}: no packed model here (model.cst missing); make one with "
