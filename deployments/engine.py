@@ -61,6 +61,10 @@ class EngineConfig:
     """Decode key-length buckets; None -> 512, 2048, max_seq_len (each graph reads keys up to its bucket)."""
     reserve_bytes: int = 1 * GiB
     """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
+    prefill_padding: bool = True
+    """Pad each prompt chunk to one of a few lengths (``prefill_lengths``) so that the warm-up
+    can run every prefill shape once: a first prompt of a length the process had not seen
+    took 60 ms longer to its first token on an H200 (new GEMM shapes). Native models only."""
 
     def validate(self) -> None:
         for name in ("max_slots", "prefill_chunk"):
@@ -71,8 +75,9 @@ class EngineConfig:
             not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len < 2
         ):
             raise ValueError(f"EngineConfig.max_seq_len must be an int >= 2 or None, got {self.max_seq_len!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"EngineConfig.cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "prefill_padding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
             raise ValueError(f"EngineConfig.reserve_bytes must be an int >= 0, got {self.reserve_bytes!r}")
         for name in ("graph_batch_sizes", "kv_len_buckets"):
@@ -98,8 +103,18 @@ class EngineConfig:
         bs = sorted(set(bs) | {self.max_slots})  # the largest batch must always have a graph
         kv = sorted({min(b, msl) for b in (self.kv_len_buckets or (512, 2048))} | {msl})
         return EngineConfig(
-            self.max_slots, msl, min(self.prefill_chunk, msl), self.cuda_graphs, tuple(bs), tuple(kv), self.reserve_bytes
+            self.max_slots, msl, min(self.prefill_chunk, msl), self.cuda_graphs, tuple(bs), tuple(kv), self.reserve_bytes,
+            self.prefill_padding,
         )
+
+
+def prefill_lengths(chunk: int) -> tuple[int, ...]:
+    """The lengths a prompt chunk of at most ``chunk`` tokens is padded to: 16, 32, 64, then
+    multiples of 64, never above ``chunk`` (which is always one). Few enough for the warm-up
+    to run each once; fine enough that padding costs little (a prefill of a few hundred
+    tokens reads the weights once, whatever its length)."""
+    out = {b for b in (16, 32) if b < chunk} | set(range(64, chunk, 64)) | {chunk}
+    return tuple(sorted(out))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -151,6 +166,8 @@ class Engine:
         self._stage = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
+        self._prefill_lengths = (prefill_lengths(cfg.prefill_chunk)
+                                 if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
         self._free = list(range(cfg.max_slots))  # min-heap: lowest slot first keeps the batch packed
         self._inbox: deque[_Seq] = deque()
         self._waiting: deque[_Seq] = deque()
@@ -213,6 +230,17 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """Blocking convenience: (token_ids, text, finish_reason)."""
         return self.submit(prompt_ids, params).result()
+
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """The prompt-chunk lengths prefill runs at (empty: any length, no padding); the
+        warm-up runs each once."""
+        return self._prefill_lengths
+
+    def _padded_len(self, n: int, start: int) -> int:
+        for b in self._prefill_lengths:
+            if b >= n:
+                return b if start + b <= self.config.max_seq_len else n  # no room: this once, as is
+        return n
 
     def alive(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
@@ -313,8 +341,14 @@ class Engine:
             try:
                 while s.prefilled < len(s.prompt) and budget > 0:
                     n = min(self.config.prefill_chunk, len(s.prompt) - s.prefilled)
-                    chunk = torch.tensor([s.prompt[s.prefilled : s.prefilled + n]], device=self.device)
-                    logits = self.model.prefill(chunk, self.cache, s.slot, s.prefilled)  # [V]
+                    ids = s.prompt[s.prefilled : s.prefilled + n]
+                    padded = self._padded_len(n, s.prefilled)
+                    if padded > n:  # the positions after the prompt are written again by decode
+                        chunk = torch.tensor([ids + [0] * (padded - n)], device=self.device)
+                        logits = self.model.prefill(chunk, self.cache, s.slot, s.prefilled, n_valid=n)  # [V]
+                    else:
+                        logits = self.model.prefill(torch.tensor([ids], device=self.device), self.cache, s.slot,
+                                                    s.prefilled)
                     s.prefilled += n
                     budget -= n
                     self._stats["prompt_tokens"] += n

@@ -252,6 +252,7 @@ class Transformer(nn.Module):
     """The native decoder. Parameter names equal HF's (`model.layers.0.self_attn.q_proj.weight`, ...)."""
 
     supports_cuda_graphs = True
+    supports_prefill_padding = True  # prefill(..., n_valid=)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -353,10 +354,14 @@ class Transformer(nn.Module):
             ctx.masks = self._masks(pos, S)
         return self.lm_head(self._run(tokens, ctx))
 
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int, start: int) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int, start: int,
+                n_valid: int | None = None) -> torch.Tensor:
         """One prompt chunk of one sequence. tokens: [1, C] at positions start..start+C-1.
 
-        Writes its keys/values into `slot` of the cache; returns the last position's logits [V].
+        Writes its keys/values into `slot` of the cache; returns the logits [V] of the last
+        position, or of position ``n_valid - 1`` when the chunk is padded after its first
+        ``n_valid`` tokens (causal attention: padding changes nothing before it, and its
+        cache entries are written again by the decode steps that reach them).
         """
         C = tokens.shape[1]
         end = start + C
@@ -366,7 +371,7 @@ class Transformer(nn.Module):
         if start > 0 or any(w is not None for w in self.config.layer_windows):
             ctx.masks = self._masks(pos, end)
         h = self._run(tokens, ctx)
-        return self.lm_head(h[0, -1])
+        return self.lm_head(h[0, (n_valid or C) - 1])
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache, kv_len: int

@@ -367,3 +367,43 @@ def test_queue_wait_is_the_time_until_a_slot_was_free():
         assert b.queue_wait_s >= a.queue_wait_s >= 0
     finally:
         eng.shutdown()
+
+
+def test_prefill_lengths():
+    from deployments.engine import prefill_lengths
+    assert prefill_lengths(512) == (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+    assert prefill_lengths(100) == (16, 32, 64, 100)
+    assert prefill_lengths(4) == (4,)
+
+
+def test_padded_prefill_gives_what_exact_lengths_give():
+    """Prompt chunks padded to a few lengths (the warm-up runs each once) must not change a
+    single token: greedy outputs equal the unpadded engine's and transformers', including a
+    prompt whose last chunk has no room to be padded before max_seq_len."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 33, 41, 58)]
+    outs = {}
+    for pad in (True, False):
+        eng, hf = make_engine(prefill_chunk=40, prefill_padding=pad)
+        try:
+            assert eng.prefill_lengths() == ((16, 32, 40) if pad else ())
+            hs = [eng.submit(p, SamplingParams(max_new_tokens=6, **GREEDY)) for p in prompts]
+            outs[pad] = [h.result(timeout=60)[0] for h in hs]
+        finally:
+            eng.shutdown()
+    assert outs[True] == outs[False]
+    for p, got in zip(prompts[::3], outs[True][::3]):
+        assert got == hf_greedy(hf, p, 6)
+
+
+def test_warmup_runs_every_prefill_length_once():
+    from deployments.config import WarmupPlan
+    from deployments.server import run_warmup
+    eng, _ = make_engine(prefill_chunk=40)
+    try:
+        run_warmup(eng, WarmupPlan(requests=1, prompt_fraction=0.25, decode_tokens=2, batch_sizes=[1, 2]), [7, 8, 9])
+        st = eng.stats()
+        assert st["finished"] == 1 + 2 + 3  # the plan's rounds, then one request per length (16, 32, 40)
+        assert st["prompt_tokens"] == 3 * 16 + 16 + 32 + 40
+    finally:
+        eng.shutdown()
