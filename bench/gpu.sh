@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile engine startenv serve naive scaleup
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile engine startenv serve naive-warm naive-cold scaleup
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -27,10 +27,13 @@ for stage in "$@"; do
              COLDSTART_GEMV=torch COLDSTART_DECODE_ATTENTION=torch python3 bench/profile_decode.py $W/packed \
                --out "$out/decode-profile-fused-only.json" ;;
     engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
-    serve)   python3 bench/serve.py --out "$out" --report "$out" > "$out/serve.log" 2>&1; r=$?; grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
-    naive)   # the article's naive path (minutes per start), added to the serve stage's report
-             python3 bench/serve.py --out "$out" --report "$out" --naive --kinds naive --merge $W/serve-partial.json \
-               > "$out/serve-naive.log" 2>&1; r=$?; grep -E "warm after|^\\|" "$out/serve-naive.log"; (exit $r) ;;
+    serve)   python3 bench/serve.py --out "$out" --report "$out" > "$out/serve.log" 2>&1; r=$?
+             grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
+    naive-warm|naive-cold) # the article's naive path (minutes per start: one device call each),
+             # added to the serve stage's report
+             python3 bench/serve.py --out "$out" --report "$out" --naive --kinds naive --caches ${stage#naive-} \
+               --merge $W/serve-partial.json > "$out/serve-$stage.log" 2>&1; r=$?
+             grep -E "warm after|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
     coldimport) python3 bench/cold_import.py $W/packed --out "$out/cold-import.json" ;;
     startenv) # the engine's start under the replica's settings, one at a time (graph capture took
              # 2.1 s in a Ray replica and 0.4 s here); the last with an empty Triton cache

@@ -67,3 +67,12 @@ def test_phases_of_an_engine_built_beside_the_load_are_its_critical_path():
     sequential = dict(detail)
     del sequential["load_wait"]
     assert _ours_phases(sequential)["load"] == 0.5
+
+
+def test_the_median_deploy_counts():
+    from bench.serve import median_run
+
+    runs = [{"deploy_to_warm_s": t} for t in (12.7, 11.9, 14.2)]
+    assert median_run(runs)["deploy_to_warm_s"] == 12.7
+    assert median_run(runs[:2])["deploy_to_warm_s"] == 11.9  # the lower middle of an even count
+    assert median_run(runs[:1]) is runs[0]
