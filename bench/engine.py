@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(config, tensors)
     sync(device)
     res["load_build_s"] = time.perf_counter() - t
+    res["build_steps_s"] = dict(getattr(model, "build_s", {}))  # assemble, kernel tests, GEMV choice
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     res["weight_gb"] = weight_bytes / 1e9
 

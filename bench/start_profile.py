@@ -1,0 +1,77 @@
+"""Where a replica's start spends its time, function by function (GPU machine).
+
+Builds the replica (``deployments.server.LLMServer``: imports, context, load, engine,
+then the warm-up plan of serve_config.yaml) in this process under cProfile, and writes
+the phases and the functions with the most cumulative and own time. cProfile sees the
+main thread only: the loader's threads are the phase ``load`` (their own time), the
+main thread's wait for them is ``load_wait``.
+
+    PYTHONPATH=$PWD python bench/start_profile.py PACKED_DIR --out start-profile.json
+
+``COLDSTART_BUILD_DURING_LOAD=0`` profiles the sequential start instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def top(stats: pstats.Stats, key: str, n: int) -> list[dict]:
+    """The n functions with the most ``key`` time ('cumulative' or 'tottime')."""
+    rows = []
+    for (path, line, name), (cc, nc, tt, ct, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(path).name}:{line}({name})" if path != "~" else name,
+                     "where": path, "calls": nc, "own_s": round(tt, 4), "cumulative_s": round(ct, 4)})
+    rows.sort(key=lambda r: r["cumulative_s" if key == "cumulative" else "own_s"], reverse=True)
+    return rows[:n]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("packed", help="packed model directory")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--max-slots", type=int, default=16)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    import yaml
+
+    from deployments.server import LLMServer
+
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    user_config = cfg["applications"][0]["deployments"][0]["user_config"]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    server = LLMServer(a.packed, device=a.device, engine={"max_slots": a.max_slots, "max_seq_len": a.max_seq_len})
+    server.reconfigure(user_config)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    server.shutdown()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    res = {"command": "PYTHONPATH=$PWD python bench/start_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "build_during_load": os.environ.get("COLDSTART_BUILD_DURING_LOAD", "1"),
+           "wall_s": round(wall, 3), "phases_s": server.timer.as_dict(),
+           "top_cumulative": top(stats, "cumulative", a.top), "top_own": top(stats, "tottime", a.top)}
+    for row in res["top_own"][:15]:
+        print(f"{row['own_s']:8.3f} {row['cumulative_s']:8.3f} {row['calls']:7d}  {row['function']}")
+    print(json.dumps(res["phases_s"]))
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
