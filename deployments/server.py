@@ -80,6 +80,9 @@ class LLMServer:
             from deployments.runtime import check_env, choose_device, create_context
             from deployments.tokenizer import Tokenizer  # noqa: F401  (imported here, used by _build_engine)
             from weights.loader import LoadOptions, start_load
+        if self.args.device != "cpu":
+            from deployments import kernels
+            kernels.head_start()  # Triton's once-per-process set-up, beside the context and the load
         for w in check_env():
             log.warning(w)
         with timer.phase("context"):

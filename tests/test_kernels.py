@@ -545,3 +545,28 @@ def test_gpu_decode_attention_matches_reference(monkeypatch, case, dtype):
 
 def test_attention_self_test_says_why():
     assert "not available" in kernels.attention_self_test(4, 2, 16, torch.float32, "cpu")
+
+
+def test_interp_head_start_fills_tritons_per_process_caches(interp, monkeypatch):
+    """head_start computes, on a side thread, what Triton's first compile needs before it
+    can look in its cache (the hash of its own library); once, and waited for by the first
+    self-test rather than computed twice."""
+    from triton.runtime.cache import triton_key
+
+    monkeypatch.setattr(interp, "_HEAD_START", [])
+    triton_key.cache_clear()
+    t = interp.head_start()
+    assert t is not None and t.name == "triton-head-start"
+    assert interp.head_start() is None  # once per process
+    interp._after_head_start()
+    assert not t.is_alive() and triton_key.cache_info().currsize == 1
+    monkeypatch.setenv("COLDSTART_TRITON", "0")
+    monkeypatch.setattr(interp, "_HEAD_START", [])
+    assert interp.head_start() is None  # Triton turned off: nothing to warm
+
+
+def test_head_start_is_a_no_op_without_triton(monkeypatch):
+    monkeypatch.setattr(kernels, "triton", None)
+    monkeypatch.setattr(kernels, "_HEAD_START", [])
+    assert kernels.head_start() is None
+    kernels._after_head_start()  # nothing to wait for
