@@ -62,7 +62,7 @@ class EngineConfig:
     reserve_bytes: int = 1 * GiB
     """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
     prefill_padding: bool = True
-    """Pad each prompt chunk to one of a few lengths (``prefill_lengths``) so that the warm-up
+    """Pad each prompt chunk to one of a few lengths (``prefill_lengths``) so that ``start``
     can run every prefill shape once: a first prompt of a length the process had not seen
     took 60 ms longer to its first token on an H200 (new GEMM shapes). Native models only."""
 
@@ -181,13 +181,14 @@ class Engine:
         self._ids = itertools.count(1)
         self.error: BaseException | None = None
         self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0,
-                       "first_launch_s": 0.0}
+                       "first_launch_s": 0.0, "first_prefill_s": 0.0}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
-        """Capture CUDA graphs (if enabled) and start the loop thread."""
+        """Run every prefill shape once, capture CUDA graphs (if enabled), start the loop thread."""
         if self._thread is not None:
             return
+        self._first_prefills()
         if self._use_graphs:
             self._capture()
         # Everything made so far (modules, the model, the graphs) lives as long as the process:
@@ -263,6 +264,19 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._fail_all("cancelled")
+
+    @torch.inference_mode()
+    def _first_prefills(self) -> None:
+        """One prefill at each padded chunk length, into slot 0 (rewritten by its first real
+        use): the kernels and GEMM algorithms a prompt of that length needs are loaded and
+        chosen now, not in a user's first request. Only the shapes matter, so this may run
+        while the weights are still loading."""
+        t0 = time.perf_counter()
+        for n in self._prefill_lengths:
+            self.model.prefill(torch.zeros(1, n, dtype=torch.int64, device=self.device), self.cache, 0, 0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._stats["first_prefill_s"] = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- graphs
     def _decode_eager(self, B: int, L: int) -> torch.Tensor:

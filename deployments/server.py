@@ -413,23 +413,19 @@ def run_warmup(engine: Any, plan: WarmupPlan, seed: list[int]) -> None:
     """Run a warm-up plan on an engine: per round and batch size, that many greedy shadow
     requests at once, each a prompt of ``plan.prompt_fraction`` of the context (``seed``
     repeated) and ``plan.decode_tokens`` new tokens: the same path as a user's request.
-    Then one single-token request per prefill length the engine pads prompts to, so that
-    no first prompt meets a shape the process has not run."""
+    (Every prefill shape has run once already, in ``Engine.start``.)"""
     from deployments.request import SamplingParams
     cfg = engine.config
     plen = max(1, min(int(plan.prompt_fraction * cfg.max_seq_len), cfg.max_seq_len - plan.decode_tokens))
     prompt = (seed * (plen // len(seed) + 1))[:plen]
     params = SamplingParams(max_new_tokens=plan.decode_tokens, temperature=0.0, ignore_eos=True)
-    rounds = [([prompt] * min(b, cfg.max_slots), params) for _ in range(plan.requests) for b in plan.batch_sizes]
-    if plan.requests and engine.prefill_lengths():  # every prefill shape once: one-token requests
-        rounds.append(([(seed * (n // len(seed) + 1))[:n] for n in engine.prefill_lengths() if n < cfg.max_seq_len],
-                       SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)))
-    for prompts, ps in rounds:
-        handles = [engine.submit(p, ps) for p in prompts]
-        for h in handles:
-            _, _, reason = h.result()
-            if reason == "error":
-                raise RuntimeError(f"warm-up request failed: {h.error!r}")
+    for _ in range(plan.requests):
+        for b in plan.batch_sizes:
+            handles = [engine.submit(prompt, params) for _ in range(min(b, cfg.max_slots))]
+            for h in handles:
+                _, _, reason = h.result()
+                if reason == "error":
+                    raise RuntimeError(f"warm-up request failed: {h.error!r}")
 
 
 def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:

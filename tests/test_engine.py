@@ -396,14 +396,18 @@ def test_padded_prefill_gives_what_exact_lengths_give():
         assert got == hf_greedy(hf, p, 6)
 
 
-def test_warmup_runs_every_prefill_length_once():
-    from deployments.config import WarmupPlan
-    from deployments.server import run_warmup
-    eng, _ = make_engine(prefill_chunk=40)
+def test_start_runs_every_prefill_length_once():
+    """Engine.start prefills each padded chunk length once (the kernels and GEMM algorithms of
+    every prompt shape are ready before the first request); a real request afterwards is
+    unaffected by what that left in the cache."""
+    eng, hf = make_engine(start=False, prefill_chunk=40)
+    calls = []
+    real = eng.model.prefill
+    eng.model.prefill = lambda tokens, *a, **k: (calls.append(tokens.shape[1]), real(tokens, *a, **k))[1]
     try:
-        run_warmup(eng, WarmupPlan(requests=1, prompt_fraction=0.25, decode_tokens=2, batch_sizes=[1, 2]), [7, 8, 9])
-        st = eng.stats()
-        assert st["finished"] == 1 + 2 + 3  # the plan's rounds, then one request per length (16, 32, 40)
-        assert st["prompt_tokens"] == 3 * 16 + 16 + 32 + 40
+        eng.start()
+        assert calls == [16, 32, 40] and eng.stats()["first_prefill_s"] > 0
+        assert eng.stats()["prompt_tokens"] == 0  # not requests
+        assert eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, **GREEDY))[0] == hf_greedy(hf, PROMPTS[0], 8)
     finally:
         eng.shutdown()
