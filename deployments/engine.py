@@ -177,6 +177,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._ready = threading.Event()  # set by the loop once its first prefills have run
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self.error: BaseException | None = None
@@ -188,7 +189,6 @@ class Engine:
         """Run every prefill shape once, capture CUDA graphs (if enabled), start the loop thread."""
         if self._thread is not None:
             return
-        self._first_prefills()
         if self._use_graphs:
             self._capture()
         # Everything made so far (modules, the model, the graphs) lives as long as the process:
@@ -197,6 +197,9 @@ class Engine:
         gc.freeze()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        self._ready.wait()  # the loop's first prefills
+        if self.error is not None:
+            raise RuntimeError(f"engine loop failed at start: {self.error!r}") from self.error
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request (thread-safe). Raises ValueError for a bad prompt or params,
@@ -265,12 +268,14 @@ class Engine:
             self._thread.join(timeout=30)
         self._fail_all("cancelled")
 
-    @torch.inference_mode()
     def _first_prefills(self) -> None:
         """One prefill at each padded chunk length, into slot 0 (rewritten by its first real
-        use): the kernels and GEMM algorithms a prompt of that length needs are loaded and
-        chosen now, not in a user's first request. Only the shapes matter, so this may run
-        while the weights are still loading."""
+        use), run by the loop thread itself before it serves: the kernels and GEMM algorithms
+        a prompt of that length needs are loaded and chosen now, not in a user's first request.
+        In this thread, because that first-time cost is paid per thread (torch's cuBLAS handles
+        are): run on another thread, a 64-token prompt still took 59 ms to its first token
+        instead of 13 (bench/results/runs/first-prefill-per-thread.json). Only the shapes
+        matter, so this may run while the weights are still loading."""
         t0 = time.perf_counter()
         for n in self._prefill_lengths:
             self.model.prefill(torch.zeros(1, n, dtype=torch.int64, device=self.device), self.cache, 0, 0)
@@ -315,6 +320,8 @@ class Engine:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
+                self._first_prefills()
+                self._ready.set()
                 while not self._stop.is_set():
                     self._intake()
                     if not (self._waiting or self._prefilling or self._decoding or self._pending):
@@ -328,6 +335,7 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - the loop must record why it died
             log.exception("engine loop died")
             self.error = e
+            self._ready.set()
             self._fail_all("error")
 
     def _intake(self) -> None:

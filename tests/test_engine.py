@@ -397,17 +397,31 @@ def test_padded_prefill_gives_what_exact_lengths_give():
 
 
 def test_start_runs_every_prefill_length_once():
-    """Engine.start prefills each padded chunk length once (the kernels and GEMM algorithms of
-    every prompt shape are ready before the first request); a real request afterwards is
-    unaffected by what that left in the cache."""
+    """Engine.start has the loop thread prefill each padded chunk length once (the kernels and
+    GEMM algorithms of every prompt shape are ready before the first request) before it
+    returns; a real request afterwards is unaffected by what that left in the cache."""
     eng, hf = make_engine(start=False, prefill_chunk=40)
     calls = []
     real = eng.model.prefill
-    eng.model.prefill = lambda tokens, *a, **k: (calls.append(tokens.shape[1]), real(tokens, *a, **k))[1]
+    eng.model.prefill = lambda tokens, *a, **k: (
+        calls.append((tokens.shape[1], threading.current_thread().name)), real(tokens, *a, **k))[1]
     try:
         eng.start()
-        assert calls == [16, 32, 40] and eng.stats()["first_prefill_s"] > 0
+        # in the loop thread, which serves the requests: the first-time cost is per thread
+        assert calls == [(16, "engine-loop"), (32, "engine-loop"), (40, "engine-loop")]
+        assert eng.stats()["first_prefill_s"] > 0
         assert eng.stats()["prompt_tokens"] == 0  # not requests
         assert eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, **GREEDY))[0] == hf_greedy(hf, PROMPTS[0], 8)
     finally:
         eng.shutdown()
+
+
+def test_a_failed_first_prefill_fails_start():
+    eng, _ = make_engine(start=False, prefill_chunk=40)
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    eng.model.prefill = broken
+    with pytest.raises(RuntimeError, match="engine loop failed at start.*illegal memory access"):
+        eng.start()
+    assert not eng.alive()
