@@ -10,6 +10,8 @@ the import, so both share the disk. Each case starts from a dropped cache:
   prefetch-alone        the read-ahead helper alone: seconds until the file is resident
   import-with-prefetch  the helper started, then `import torch`; then the seconds until
                         the weights are resident (what a replica's load would wait for)
+  import-with-gentle    a gentler helper (one 1 MiB read at a time) beside `import torch`,
+                        the hints after it; the same two figures
   pread-16              16 threads reading the file (the loader's cold pattern), for scale
 
 Prints and writes one JSON; the figures say whether the overlap pays on this host.
@@ -28,7 +30,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from weights.readahead import PIECE, _HINTS, resident_fraction  # noqa: E402
+from weights.readahead import _HINTS, PIECE, resident_fraction  # noqa: E402
+
+# One read at a time, front to back: the page cache fills at a pace that leaves the disk's
+# queue to whoever else reads (an import's page faults), unlike the replica's hints, which
+# queue the whole file at once
+_GENTLE = r"""
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+piece, limit = int(sys.argv[2]), int(sys.argv[3])
+size = min(os.fstat(fd).st_size, limit)
+buf = bytearray(piece)
+off = 0
+while off < size:
+    n = os.preadv(fd, [memoryview(buf)[:min(piece, size - off)]], off)
+    if n <= 0:
+        break
+    off += n
+"""
+GENTLE_PIECE = 1 << 20
+
 
 
 def drop() -> None:
@@ -42,9 +63,9 @@ def import_torch() -> float:
     return time.perf_counter() - t
 
 
-def helper(path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _HINTS, str(path), str(PIECE),
-                             str(path.stat().st_size)])
+def helper(path: Path, gentle: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", _GENTLE if gentle else _HINTS, str(path),
+                             str(GENTLE_PIECE if gentle else PIECE), str(path.stat().st_size)])
 
 
 def until_resident(path: Path, t0: float, limit_s: float = 120.0) -> float:
@@ -99,6 +120,13 @@ def main() -> None:
     res["import_with_prefetch_s"] = import_torch()
     h.wait()
     res["import_with_prefetch_resident_s"] = until_resident(f, t0)
+    drop()
+    t0 = time.perf_counter()
+    g = helper(f, gentle=True)  # one read at a time beside the import, then the hints
+    res["import_with_gentle_s"] = import_torch()
+    helper(f).wait()
+    res["import_with_gentle_resident_s"] = until_resident(f, t0)
+    g.kill()
     drop()
     res["pread16_s"] = pread(f)
     res["prefetch_alone_GBps"] = gb / res["prefetch_alone_s"]
