@@ -63,8 +63,8 @@ class EngineConfig:
     """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
     prefill_padding: bool = True
     """Pad each prompt chunk to one of a few lengths (``prefill_lengths``) so that ``start``
-    can run every prefill shape once: a first prompt of a length the process had not seen
-    took 60 ms longer to its first token on an H200 (new GEMM shapes). Native models only."""
+    can run every prefill shape once, in the loop thread: a first prompt of a length that
+    thread had not run took 50-60 ms longer to its first token on an H200. Native models only."""
 
     def validate(self) -> None:
         for name in ("max_slots", "prefill_chunk"):
@@ -110,8 +110,8 @@ class EngineConfig:
 
 def prefill_lengths(chunk: int) -> tuple[int, ...]:
     """The lengths a prompt chunk of at most ``chunk`` tokens is padded to: 16, 32, 64, then
-    multiples of 64, never above ``chunk`` (which is always one). Few enough for the warm-up
-    to run each once; fine enough that padding costs little (a prefill of a few hundred
+    multiples of 64, never above ``chunk`` (which is always one). Few enough for
+    ``Engine.start`` to run each once; fine enough that padding costs little (a prefill of a few hundred
     tokens reads the weights once, whatever its length)."""
     out = {b for b in (16, 32) if b < chunk} | set(range(64, chunk, 64)) | {chunk}
     return tuple(sorted(out))
@@ -186,7 +186,8 @@ class Engine:
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
-        """Run every prefill shape once, capture CUDA graphs (if enabled), start the loop thread."""
+        """Capture CUDA graphs (if enabled), start the loop thread and wait until it has run
+        every prefill shape once (``_first_prefills``)."""
         if self._thread is not None:
             return
         if self._use_graphs:
@@ -236,8 +237,8 @@ class Engine:
         return self.submit(prompt_ids, params).result()
 
     def prefill_lengths(self) -> tuple[int, ...]:
-        """The prompt-chunk lengths prefill runs at (empty: any length, no padding); the
-        warm-up runs each once."""
+        """The prompt-chunk lengths prefill runs at (empty: any length, no padding);
+        ``start`` runs each once."""
         return self._prefill_lengths
 
     def _padded_len(self, n: int, start: int) -> int:

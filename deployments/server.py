@@ -156,7 +156,7 @@ class LLMServer:
                 self.tokenizer = Tokenizer.from_dir(path)
             with timer.phase("engine_kv_cache"):
                 self.engine = Engine(self.model, self.tokenizer, ecfg)
-            with timer.phase("engine_graphs"):  # first kernel launches, graph capture
+            with timer.phase("engine_graphs"):  # first decode launches, graph capture, first prefills
                 self.engine.start()
 
     def _finish_load(self, pending: Any, t0: float) -> Any:
