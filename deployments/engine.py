@@ -64,7 +64,7 @@ class EngineConfig:
     prefill_padding: bool = True
     """Pad each prompt chunk to one of a few lengths (``prefill_lengths``) so that ``start``
     can run every prefill shape once, in the loop thread: a first prompt of a length that
-    thread had not run took 50-60 ms longer to its first token on an H200. Native models only."""
+    thread had not run took 40-50 ms longer to its first token on an H200. Native models only."""
 
     def validate(self) -> None:
         for name in ("max_slots", "prefill_chunk"):
@@ -109,11 +109,11 @@ class EngineConfig:
 
 
 def prefill_lengths(chunk: int) -> tuple[int, ...]:
-    """The lengths a prompt chunk of at most ``chunk`` tokens is padded to: 16, 32, 64, then
-    multiples of 64, never above ``chunk`` (which is always one). Few enough for
-    ``Engine.start`` to run each once; fine enough that padding costs little (a prefill of a few hundred
-    tokens reads the weights once, whatever its length)."""
-    out = {b for b in (16, 32) if b < chunk} | set(range(64, chunk, 64)) | {chunk}
+    """The lengths a prompt chunk of at most ``chunk`` tokens is padded to: powers of two
+    from 16, and ``chunk`` itself. Each costs ``Engine.start`` a first run (~40 ms of one-off
+    set-up per shape on an H200), so there are few; padding a prompt's last chunk at most
+    doubles it, a few milliseconds on a 7B (bench/results/runs/first-prefill-per-thread.json)."""
+    out = {b for b in (1 << k for k in range(4, 31)) if b < chunk} | {chunk}
     return tuple(sorted(out))
 
 

@@ -371,7 +371,7 @@ def test_queue_wait_is_the_time_until_a_slot_was_free():
 
 def test_prefill_lengths():
     from deployments.engine import prefill_lengths
-    assert prefill_lengths(512) == (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+    assert prefill_lengths(512) == (16, 32, 64, 128, 256, 512)
     assert prefill_lengths(100) == (16, 32, 64, 100)
     assert prefill_lengths(4) == (4,)
 
