@@ -18,9 +18,10 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [2, 4], [9] * 13, [1, 50, 60, 70, 80], [42]]
 
 
-def make_engine(arch="llama", tokenizer=None, start=True, hf_kw=None, **cfg) -> tuple[Engine, torch.nn.Module]:
+def make_engine(arch="llama", tokenizer=None, start=True, hf_kw=None, device="cpu", **cfg
+                ) -> tuple[Engine, torch.nn.Module]:
     hf, config = hf_model(arch, **(hf_kw or {}))
-    model = build_model(config, state_tensors(hf))
+    model = build_model(config, {k: v.to(device) for k, v in state_tensors(hf).items()})
     eng = Engine(model, tokenizer, EngineConfig(**{"max_slots": 4, "max_seq_len": 64, "prefill_chunk": 4, **cfg}))
     if start:
         eng.start()
@@ -376,15 +377,18 @@ def test_prefill_lengths():
     assert prefill_lengths(4) == (4,)
 
 
-def test_padded_prefill_gives_what_exact_lengths_give():
-    """Prompt chunks padded to a few lengths (the warm-up runs each once) must not change a
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_padded_prefill_gives_what_exact_lengths_give(device):
+    """Prompt chunks padded to a few lengths (Engine.start runs each once) must not change a
     single token: greedy outputs equal the unpadded engine's and transformers', including a
-    prompt whose last chunk has no room to be padded before max_seq_len."""
+    prompt whose last chunk has no room to be padded before max_seq_len. On CUDA through the
+    fused kernels and the decode graphs."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (1, 5, 16, 17, 33, 41, 58)]
     outs = {}
     for pad in (True, False):
-        eng, hf = make_engine(prefill_chunk=40, prefill_padding=pad)
+        eng, hf = make_engine(prefill_chunk=40, prefill_padding=pad, device=device)
         try:
             assert eng.prefill_lengths() == ((16, 32, 40) if pad else ())
             hs = [eng.submit(p, SamplingParams(max_new_tokens=6, **GREEDY)) for p in prompts]
