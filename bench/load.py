@@ -184,9 +184,13 @@ def ensure_checkpoint(work: Path, shape: str) -> tuple[Path, Path, dict]:
 
 
 def warm_cache(d: Path) -> None:
-    """Read every file of ``d`` once, so it sits in the page cache."""
+    """Read every file of ``d`` once, so it sits in the page cache (a file that already
+    does, sampled with mincore, is not read again: 13 GB take seconds even from memory)."""
+    from weights.readahead import resident_fraction
     for f in sorted(d.iterdir()):
         if f.is_file():
+            if f.stat().st_size > 64 << 20 and (resident_fraction(f, samples=256) or 0) >= 0.999:
+                continue
             with open(f, "rb") as fh:
                 while fh.read(64 << 20):
                     pass

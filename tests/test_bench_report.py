@@ -76,3 +76,26 @@ def test_the_median_deploy_counts():
     assert median_run(runs)["deploy_to_warm_s"] == 12.7
     assert median_run(runs[:2])["deploy_to_warm_s"] == 11.9  # the lower middle of an even count
     assert median_run(runs[:1]) is runs[0]
+
+
+def test_warm_cache_leaves_the_files_in_the_page_cache(tmp_path):
+    import os
+
+    from bench.load import warm_cache
+    from weights.readahead import resident_fraction
+
+    f = tmp_path / "w.bin"
+    f.write_bytes(os.urandom(80 << 20))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    before = resident_fraction(f, samples=256)
+    if before is None or before > 0.5:
+        pytest.skip("this filesystem keeps the file cached (or mincore is unavailable)")
+    warm_cache(tmp_path)
+    assert resident_fraction(f, samples=256) >= 0.999
+    warm_cache(tmp_path)  # resident already: sampled, not read again
+    assert resident_fraction(f, samples=256) >= 0.999
