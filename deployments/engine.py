@@ -320,6 +320,9 @@ class Engine:
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
         try:
+            if self.device.type == "cuda":
+                # a new thread starts on device 0; Triton launches on the current device
+                torch.cuda.set_device(self.device)
             with torch.inference_mode():
                 self._first_prefills()
                 self._ready.set()

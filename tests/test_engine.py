@@ -429,3 +429,18 @@ def test_a_failed_first_prefill_fails_start():
     with pytest.raises(RuntimeError, match="engine loop failed at start.*illegal memory access"):
         eng.start()
     assert not eng.alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_engine_on_the_second_gpu():
+    """The loop thread decodes on the engine's device, not on the new thread's default
+    (device 0): Triton launches on the current device. (The building thread selects the
+    device first, as a replica's context set-up does.)"""
+    with torch.cuda.device(1):
+        eng, hf = make_engine(device="cuda:1", prefill_chunk=40, max_seq_len=128)
+    try:
+        ids = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, **GREEDY))[0]
+        assert ids == hf_greedy(hf, PROMPTS[0], 12)
+    finally:
+        eng.shutdown()
