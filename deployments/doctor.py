@@ -392,6 +392,73 @@ def check_read_speed(opts: DoctorOptions, files: list[Path]) -> Check:
                  "page-cache speed; --drop-cache measures the disk (evicts this file's pages)", data)
 
 
+# ---------------------------------------------------------------- Triton's kernel cache
+def triton_cache_dir(env: Mapping[str, str]) -> Path:
+    """Where Triton keeps compiled kernels: TRITON_CACHE_DIR, else TRITON_HOME (or ~)/.triton/cache."""
+    if env.get("TRITON_CACHE_DIR"):
+        return Path(env["TRITON_CACHE_DIR"])
+    return Path(env.get("TRITON_HOME") or os.path.expanduser("~")) / ".triton" / "cache"
+
+
+def mount_of(path: Path, mounts: str) -> tuple[str, str] | None:
+    """(mount point, filesystem type) of the mount holding ``path``, from /proc/mounts text."""
+    best: tuple[str, str] | None = None
+    p = str(path)
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = p == point or p.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) > len(best[0])):
+            best = (point, parts[2])
+    return best
+
+
+def kernel_cache_verdict(path: Path, kernels: int, nbytes: int, writable: bool,
+                         fstype: str | None) -> tuple[str, str, str]:
+    """Judge Triton's cache directory: whether a replica's start finds its kernels compiled."""
+    where = f"{path} ({kernels} compiled kernel groups, {nbytes / 2**20:.0f} MiB)"
+    if not writable:
+        return ("warn", f"{where} is not writable: every replica start compiles the decode kernels again "
+                "(3-4 s more for a 7B on an H200)",
+                "point TRITON_CACHE_DIR at a writable directory that outlives the container")
+    if fstype == "overlay":
+        return ("warn", f"{where} is on the container's own filesystem: a new container compiles the "
+                "decode kernels again (3-4 s more for a 7B on an H200)",
+                "mount a volume at TRITON_CACHE_DIR (the image uses /var/cache/coldstart/triton)")
+    if kernels == 0:
+        return ("ok", f"{where}: empty; the next start on this node compiles the decode kernels once "
+                "(3-4 s more for a 7B on an H200) and later starts reuse them", "")
+    return "ok", where, ""
+
+
+def check_kernel_cache(opts: DoctorOptions, torch: Any) -> Check:
+    name = "kernel cache"
+    import importlib.util
+    if os.environ.get("COLDSTART_TRITON") == "0":
+        return Check(name, "skip", "COLDSTART_TRITON=0: the decode step runs torch kernels; nothing to compile")
+    if importlib.util.find_spec("triton") is None:
+        return Check(name, "skip", "Triton is not installed: the decode step runs torch kernels (slower "
+                     "per token); not checked", "install triton (torch's Linux CUDA wheels depend on it)")
+    if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
+        return Check(name, "skip", "no usable CUDA device: the decode kernels are compiled on a GPU only; "
+                     "not checked")
+    d = triton_cache_dir(os.environ)
+    groups = [p for p in d.iterdir() if p.is_dir()] if d.is_dir() else []
+    nbytes = sum(f.stat().st_size for g in groups for f in g.iterdir() if f.is_file())
+    existing = next((p for p in (d, *d.parents) if p.exists()), Path("/"))
+    try:
+        mounts = Path("/proc/mounts").read_text()
+    except OSError:
+        mounts = ""
+    mount = mount_of(existing.resolve(), mounts)
+    status, detail, action = kernel_cache_verdict(d, len(groups), nbytes, os.access(existing, os.W_OK),
+                                                  mount[1] if mount else None)
+    return Check(name, status, detail, action, {"dir": str(d), "kernel_groups": len(groups), "bytes": nbytes,
+                                                "filesystem": mount[1] if mount else None})
+
+
 # ---------------------------------------------------------------- host -> device
 def check_pinned_h2d(opts: DoctorOptions, torch: Any, nbytes: int = 256 << 20) -> Check:
     name = "pinned h2d"
@@ -441,6 +508,7 @@ def run_checks(opts: DoctorOptions) -> list[Check]:
     guarded("visible gpu", lambda: check_visible_gpu(opts, torch, probed[1]))
     guarded("gpu memory", lambda: check_gpu_memory(opts, torch))
     guarded("env vars", check_env)
+    guarded("kernel cache", lambda: check_kernel_cache(opts, torch))
     if opts.model.exists():
         files = model_files(opts.model)
         if opts.drop_cache:  # before both rows, so they describe the same state
@@ -485,8 +553,9 @@ def summarize(checks: Sequence[Check]) -> dict[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="coldstart doctor",
-        description="Check driver, CUDA, GPU visibility, context time, env vars, weight-read "
-                    "speed, page cache and host->device bandwidth for a fast replica start.",
+        description="Check driver, CUDA, GPU visibility, context time, env vars, Triton's kernel "
+                    "cache, weight-read speed, page cache and host->device bandwidth for a fast "
+                    "replica start.",
         epilog="Exit code 0 when no check failed, 1 otherwise.")
     p.add_argument("--model", type=Path, default=None,
                    help=f"packed model directory (or any file/dir) to test (default {DEFAULT_MODEL_DIR})")

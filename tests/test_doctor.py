@@ -15,7 +15,7 @@ from deployments.doctor import Check, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = ["torch build", "nvidia driver", "cuda runtime", "cuda context", "visible gpu",
-               "gpu memory", "env vars", "page cache", "read speed", "pinned h2d"]
+               "gpu memory", "env vars", "kernel cache", "page cache", "read speed", "pinned h2d"]
 GPU_CHECKS = ["nvidia driver", "cuda runtime", "cuda context", "visible gpu", "gpu memory",
               "pinned h2d"]
 
@@ -111,8 +111,8 @@ def test_table_without_gpu(capsys, model_dir):
         assert row[len(name):].split()[0] == "skip"
     build = next(s for s in starts if s.startswith("torch build"))
     assert build[len("torch build"):].split()[0] == ("ok" if CUDA_BUILD else "skip")
-    # the six GPU checks, and the torch build when it is a CPU-only one
-    assert lines[-1].endswith(", 0 fail, 6 skip" if CUDA_BUILD else ", 0 fail, 7 skip")
+    # the six GPU checks and the kernel cache, and the torch build when it is a CPU-only one
+    assert lines[-1].endswith(", 0 fail, 7 skip" if CUDA_BUILD else ", 0 fail, 8 skip")
 
 
 @cpu_only
@@ -360,6 +360,7 @@ def test_gpu_checks_run_on_a_gpu(model_dir):
     assert checks["cuda context"]["data"]["context_s"] > 0
     assert checks["pinned h2d"]["data"]["gbps"] > 0
     assert checks["gpu memory"]["data"]["total_bytes"] > 0
+    assert checks["kernel cache"]["status"] in ("ok", "warn", "skip")  # skip: Triton not installed
     assert rc == (1 if report["summary"]["fail"] else 0)
 
 
@@ -367,3 +368,43 @@ def test_operator_guide_covers_every_check():
     guide = (ROOT / "docs" / "operations.md").read_text()
     missing = [name for name in CHECK_NAMES if f"| {name} |" not in guide]
     assert not missing, f"docs/operations.md has no row for {missing}"
+
+
+# ------------------------------------------------------------------ Triton's kernel cache
+def test_triton_cache_dir():
+    assert doctor.triton_cache_dir({"TRITON_CACHE_DIR": "/cache/t"}) == Path("/cache/t")
+    assert doctor.triton_cache_dir({"TRITON_HOME": "/srv"}) == Path("/srv/.triton/cache")
+    assert doctor.triton_cache_dir({}) == Path.home() / ".triton" / "cache"
+
+
+MOUNTS = """overlay / overlay rw,relatime,lowerdir=/a,upperdir=/b 0 0
+/dev/nvme1n1 /var/cache/coldstart ext4 rw,relatime 0 0
+/dev/nvme0n1 /models xfs ro 0 0
+/dev/sdb /mnt/my\\040disk ext4 rw 0 0
+"""
+
+
+def test_mount_of_picks_the_longest_mount_point():
+    assert doctor.mount_of(Path("/var/cache/coldstart/triton"), MOUNTS) == ("/var/cache/coldstart", "ext4")
+    assert doctor.mount_of(Path("/root/.triton/cache"), MOUNTS) == ("/", "overlay")
+    assert doctor.mount_of(Path("/var/cache/coldstartx"), MOUNTS) == ("/", "overlay")  # not a prefix match
+    assert doctor.mount_of(Path("/mnt/my disk/t"), MOUNTS) == ("/mnt/my disk", "ext4")
+    assert doctor.mount_of(Path("/x"), "") is None
+
+
+@pytest.mark.parametrize("kernels, writable, fstype, status, needle", [
+    (12, True, "ext4", "ok", "12 compiled kernel groups"),
+    (0, True, "ext4", "ok", "compiles the decode kernels once"),
+    (12, False, "ext4", "warn", "not writable"),
+    (12, True, "overlay", "warn", "container's own filesystem"),
+])
+def test_kernel_cache_verdict(kernels, writable, fstype, status, needle):
+    st, detail, action = doctor.kernel_cache_verdict(Path("/c"), kernels, 5 << 20, writable, fstype)
+    assert st == status and needle in detail
+    assert (action != "") == (status == "warn")
+
+
+def test_kernel_cache_is_skipped_when_triton_is_off(monkeypatch):
+    monkeypatch.setenv("COLDSTART_TRITON", "0")
+    c = doctor.check_kernel_cache(doctor.DoctorOptions(), None)
+    assert c.status == "skip" and "COLDSTART_TRITON=0" in c.detail
