@@ -3,8 +3,8 @@
 Each phase becomes a ``[METRIC]`` log line (``phase=load seconds=0.412
 GBps=32.71 bytes=...``) and is passed to every sink, which is how the Ray Serve
 deployment turns phases into ``ray.serve.metrics`` gauges. A phase that times
-GPU work passes ``sync`` (e.g. ``torch.cuda.synchronize``) so the clock stops
-when the device is done, not when the launch returned.
+GPU work must end when the device is done (the loader's phases end on their
+copies' events), not when a launch returned.
 """
 
 from __future__ import annotations
@@ -47,14 +47,9 @@ class PhaseTimer:
         self.sinks: list[Sink] = list(sinks or [])
 
     @contextmanager
-    def phase(self, name: str, nbytes: int | None = None,
-              sync: Callable[[], None] | None = None) -> Iterator[None]:
-        if sync:
-            sync()
+    def phase(self, name: str, nbytes: int | None = None) -> Iterator[None]:
         t0 = time.perf_counter()
         yield
-        if sync:
-            sync()
         self.record(name, time.perf_counter() - t0, nbytes)
 
     def record(self, name: str, seconds: float, nbytes: int | None = None) -> Phase:
