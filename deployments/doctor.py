@@ -356,10 +356,12 @@ def read_files(paths: Sequence[Path], limit: int, threads: int = 8,
 
 
 def drop_page_cache(files: Sequence[Path]) -> None:
-    """Evict `files`' clean pages (POSIX_FADV_DONTNEED): needs no root, unlike drop_caches."""
+    """Evict `files`' pages (POSIX_FADV_DONTNEED): needs no root, unlike drop_caches. Dirty
+    pages are written first (fsync), since DONTNEED only drops clean ones."""
     for p in files:
         fd = os.open(p, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

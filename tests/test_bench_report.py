@@ -82,16 +82,12 @@ def test_warm_cache_leaves_the_files_in_the_page_cache(tmp_path):
     import os
 
     from bench.load import warm_cache
+    from deployments.doctor import drop_page_cache
     from weights.readahead import resident_fraction
 
     f = tmp_path / "w.bin"
     f.write_bytes(os.urandom(80 << 20))
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache([f])
     before = resident_fraction(f, samples=256)
     if before is None or before > 0.5:
         pytest.skip("this filesystem keeps the file cached (or mincore is unavailable)")

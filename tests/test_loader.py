@@ -15,6 +15,7 @@ from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOpti
                      load, pack, read_packed)
 from weights.checksum import chunk_sums
 from weights.format import PREAMBLE_BYTES
+from deployments.doctor import drop_page_cache
 from weights.loader import PendingLoad, check_fits, start_load
 
 
@@ -188,15 +189,6 @@ def test_gpu_out_of_memory_refused(tiny_packed):
         load(tiny_packed, "cuda", options=LoadOptions(headroom_bytes=free))
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_load_settings_follow_the_page_cache(small_hf, tmp_path):
     from weights.loader import _settings_for_cache
     from weights.readahead import resident_fraction
@@ -209,7 +201,7 @@ def test_load_settings_follow_the_page_cache(small_hf, tmp_path):
         pytest.skip("mincore(2) is not available here")
     opts = LoadOptions()
     assert warm > 0.9 and _settings_for_cache(pf, opts) == opts
-    _evict(pf.path)
+    drop_page_cache([pf.path])
     cold = resident_fraction(pf.path, pf.data_offset, pf.data_bytes)
     if cold >= 0.5:
         pytest.skip("this kernel kept the pages despite POSIX_FADV_DONTNEED")
@@ -224,7 +216,7 @@ def _evicted_file(path: Path, size: int) -> Path:
         fh.write(os.urandom(size))
         fh.flush()
         os.fsync(fh.fileno())
-    _evict(path)
+    drop_page_cache([path])
     before = resident_bytes(path, 0, size)
     if before is None:
         pytest.skip("mincore(2) is not available here")
