@@ -35,7 +35,7 @@ for stage in "$@"; do
                --merge $W/serve-partial.json > "$out/serve-$stage.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
     startprofile) # the replica's start under cProfile (main thread), with and without the overlapped build
-             python3 bench/start_profile.py $W/packed --out "$out/start-profile.json" 2>&1 | tail -20
+             python3 bench/start_profile.py $W/packed --out "$out/start-profile.json" --pstats "$out/start-profile.pstats" 2>&1 | tail -20
              COLDSTART_BUILD_DURING_LOAD=0 python3 bench/start_profile.py $W/packed \
                --out "$out/start-profile-sequential.json" 2>&1 | tail -20 ;;
     firstprefill) python3 bench/first_prefill.py $W/packed --out "$out/first-prefill.json" 2>&1 | grep -v METRIC | tail -12 ;;

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--pstats", type=Path, help="also write the raw profile here (python -m pstats FILE; callers)")
     a = ap.parse_args(argv)
     import yaml
 
@@ -64,7 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"command": "PYTHONPATH=$PWD python bench/start_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "build_during_load": os.environ.get("COLDSTART_BUILD_DURING_LOAD", "1"),
            "wall_s": round(wall, 3), "phases_s": server.timer.as_dict(),
+           "engine_stats": server.engine.stats(),
            "top_cumulative": top(stats, "cumulative", a.top), "top_own": top(stats, "tottime", a.top)}
+    if a.pstats:
+        prof.dump_stats(a.pstats)
     for row in res["top_own"][:15]:
         print(f"{row['own_s']:8.3f} {row['cumulative_s']:8.3f} {row['calls']:7d}  {row['function']}")
     print(json.dumps(res["phases_s"]))

@@ -277,12 +277,15 @@ class Engine:
         are): run on another thread, a 64-token prompt still took 59 ms to its first token
         instead of 13 (bench/results/runs/first-prefill-per-thread.json). Only the shapes
         matter, so this may run while the weights are still loading."""
-        t0 = time.perf_counter()
+        t0 = t = time.perf_counter()
+        each: dict[int, float] = {}
         for n in self._prefill_lengths:
             self.model.prefill(torch.zeros(1, n, dtype=torch.int64, device=self.device), self.cache, 0, 0)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            each[n], t = round((time.perf_counter() - t) * 1e3, 2), time.perf_counter()
         self._stats["first_prefill_s"] = time.perf_counter() - t0
+        self._stats["first_prefill_ms"] = each  # per length: what the first one pays for the thread
 
     # ---------------------------------------------------------------- graphs
     def _decode_eager(self, B: int, L: int) -> torch.Tensor:

@@ -23,9 +23,13 @@ This module must stay cheap to import and never fail to: Triton is optional.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import threading
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,8 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         import triton.language as tl
     except Exception:  # not installed, or broken: the torch references are used instead
         triton = None
+
+log = logging.getLogger("deployments.kernels")
 
 # Longest row `add_rms_norm` keeps in one Triton block; longer rows use the reference.
 _MAX_NORM_BLOCK = 32768
@@ -56,10 +62,13 @@ _HEAD_START: list[threading.Thread] = []
 def head_start() -> threading.Thread | None:
     """Start, on a side thread, what Triton does once per process before its first launch
     can even look in its kernel cache: hash its own files and its 400 MB library into
-    every cache key (0.26 s on one core), find libcuda. Nothing here touches the GPU;
-    hashing and the subprocess waits drop the GIL, so a replica runs it beside its CUDA
-    context and the start of its load. The first self-test waits for it (``_after_head_start``).
-    Returns the thread, or None where Triton is not used."""
+    every cache key (0.26 s on one core), find libcuda, and make its CUDA driver object,
+    which loads (or, on a new node, compiles) its C helper module and runs ``file`` on the
+    Python executable to key it (0.48 s on the main thread of a replica's start,
+    bench/results/runs/start-profile.json). Nothing here creates a CUDA context; hashing,
+    the compiler and the subprocess waits drop the GIL, so a replica runs it beside its
+    context and the start of its load. The first self-test waits for it
+    (``_after_head_start``). Returns the thread, or None where Triton is not used."""
     if triton is None or os.environ.get("COLDSTART_TRITON", "1") == "0" or _HEAD_START:
         return None
 
@@ -69,6 +78,8 @@ def head_start() -> threading.Thread | None:
             triton_key()
             from triton.backends.nvidia.driver import libcuda_dirs
             libcuda_dirs()
+            from triton.runtime.driver import driver
+            driver.active  # noqa: B018 - created on first access
         except Exception:  # noqa: BLE001 - never fail a replica over a cache warm-up
             pass
 
@@ -573,8 +584,69 @@ def graph_ms(fn: Callable[[], object], device: torch.device | str, replays: int 
     return best
 
 
-def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]], margin: float = 0.02
-                ) -> tuple[set[tuple[int, int]], dict[str, dict]]:
+# ----------------------------------------------------------------------------- verdicts kept per node
+
+
+def verdict_dir() -> Path | None:
+    """Where a replica keeps its kernel verdicts (the GEMV choice): files beside Triton's
+    compiled kernels, which live as long as the node's (or volume's) kernel cache.
+    None (never kept) with env COLDSTART_KERNEL_VERDICTS=0."""
+    if os.environ.get("COLDSTART_KERNEL_VERDICTS", "1") == "0":
+        return None
+    from deployments.doctor import triton_cache_dir
+    return triton_cache_dir(os.environ)
+
+
+def verdict_path(kind: str, judged: Any, device: torch.device, where: Path) -> Path:
+    """The file for the verdict on ``judged`` (shapes, dtypes, options) on this GPU, keyed on
+    everything else that could change it: the GPU model, torch, its CUDA, Triton, this
+    module's code. A node with another of these gets its own verdict."""
+    props = torch.cuda.get_device_properties(device)
+    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    blob = json.dumps([kind, judged, props.name, [props.major, props.minor], torch.__version__,
+                       torch.version.cuda, getattr(triton, "__version__", None), code], sort_keys=True, default=str)
+    return where / f"coldstart-{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
+
+
+def _read_verdict(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # torn or foreign: judged again and rewritten
+        log.warning("ignoring kernel verdict %s (%s); judging again", path, e)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _write_verdict(path: Path, doc: dict) -> None:
+    """Atomically (a reader sees the old file, no file, or the whole new one); a directory
+    that cannot be written just means judging again at the next start."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.info("kernel verdict not kept (%s): the next start judges again", e)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _cached_gemv_choice(doc: dict | None, names: list[str]
+                        ) -> tuple[set[tuple[int, int]], dict[str, dict]] | None:
+    try:
+        chosen = {(int(n), int(k)) for n, k in doc["chosen"]}  # type: ignore[index]
+        report = {name: dict(doc["report"][name], cached=True) for name in names}  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return None
+    return chosen, report
+
+
+def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]], margin: float = 0.02,
+                keep: Path | None = None) -> tuple[set[tuple[int, int]], dict[str, dict]]:
     """Which weight shapes a batch-1 decode step should multiply with the Triton GEMV.
 
     ``groups``: projection name -> its (weight, bias) in every layer. For each, checks the
@@ -583,7 +655,29 @@ def gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]
     more than ``margin``. The weights' values are never read for the verdict (the timing does
     not depend on them). About a millisecond per projection and method. Returns the chosen
     (N, K) shapes and, per projection, the timings or why the GEMV was not usable.
+
+    ``keep``: a directory (``verdict_dir()``) where a verdict without errors is kept and
+    found again by the next start with the same shapes on the same kind of GPU and software
+    (0.2 s of a 7B replica's start on an H200); its report rows then say ``cached``.
     """
+    path = None
+    if keep is not None and groups:
+        w0 = next(iter(groups.values()))[0][0]
+        if available(w0.device):
+            judged = {name: [list(p[0][0].shape), str(p[0][0].dtype), len(p), p[0][1] is not None]
+                      for name, p in groups.items()}
+            path = verdict_path("gemv", [judged, margin], w0.device, keep)
+            found = _cached_gemv_choice(_read_verdict(path), list(groups))
+            if found is not None:
+                return found
+    chosen, report = _time_gemv_choice(groups, margin)
+    if path is not None and not any("error" in r for r in report.values()):
+        _write_verdict(path, {"chosen": sorted(chosen), "report": report})
+    return chosen, report
+
+
+def _time_gemv_choice(groups: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]], margin: float
+                      ) -> tuple[set[tuple[int, int]], dict[str, dict]]:
     chosen: set[tuple[int, int]] = set()
     report: dict[str, dict] = {}
     for name, pairs in groups.items():

@@ -509,7 +509,8 @@ def _attention_kernel_wanted(model: Transformer) -> bool:
 
 def _choose_gemv(model: Transformer) -> frozenset:
     """Weight shapes whose batch-1 products go through the Triton GEMV: by default those
-    where it times faster than cuBLAS on this GPU (kernels.gemv_choice, ~0.1 s);
+    where it times faster than cuBLAS on this GPU (kernels.gemv_choice, 0.2 s for a 7B on an
+    H200; the verdict is kept per node, kernels.verdict_dir);
     COLDSTART_GEMV=triton takes it for every projection, =torch for none."""
     mode = kernel_mode("COLDSTART_GEMV")
     if mode == "torch":
@@ -531,8 +532,10 @@ def _choose_gemv(model: Transformer) -> frozenset:
     add("lm_head", model.lm_head.weight, None)
     if mode == "triton":
         return frozenset(groups)
-    chosen, report = kernels.gemv_choice({"+".join(g["names"]): g["pairs"] for g in groups.values()})
-    log.info("batch-1 GEMV: %s", "; ".join(
+    chosen, report = kernels.gemv_choice({"+".join(g["names"]): g["pairs"] for g in groups.values()},
+                                         keep=kernels.verdict_dir())
+    log.info("batch-1 GEMV%s: %s", " (kept from an earlier start on this node)" if any(
+        r.get("cached") for r in report.values()) else "", "; ".join(
         f"{name} {r['triton_ms']:.3f} vs cuBLAS {r['torch_ms']:.3f} ms -> {'Triton' if r['triton'] else 'cuBLAS'}"
         if "error" not in r else f"{name}: cuBLAS ({r['error']})" for name, r in report.items()))
     return frozenset(chosen)

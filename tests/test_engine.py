@@ -414,6 +414,7 @@ def test_start_runs_every_prefill_length_once():
         # in the loop thread, which serves the requests: the first-time cost is per thread
         assert calls == [(16, "engine-loop"), (32, "engine-loop"), (40, "engine-loop")]
         assert eng.stats()["first_prefill_s"] > 0
+        assert list(eng.stats()["first_prefill_ms"]) == [16, 32, 40]
         assert eng.stats()["prompt_tokens"] == 0  # not requests
         assert eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, **GREEDY))[0] == hf_greedy(hf, PROMPTS[0], 8)
     finally:

@@ -467,6 +467,63 @@ def test_gpu_gemv_matches_linear_and_is_timed(monkeypatch, N, K, dtype):
     assert (chosen == {(N, K)}) == r["triton"]
 
 
+def test_gemv_choice_keeps_nothing_without_cuda(tmp_path):
+    w = torch.zeros(8, 16)
+    chosen, report = kernels.gemv_choice({"proj": [(w, None)]}, keep=tmp_path)
+    assert chosen == set() and "not available" in report["proj"]["error"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kernel_verdicts_round_trip_and_survive_bad_files(tmp_path, caplog):
+    path = tmp_path / "sub" / "coldstart-gemv-x.json"
+    assert kernels._read_verdict(path) is None  # none yet
+    report = {"qkv": {"shape": [12288, 4096], "torch_ms": 0.9, "triton_ms": 0.8, "triton": True}}
+    kernels._write_verdict(path, {"chosen": [[12288, 4096]], "report": report})
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    chosen, got = kernels._cached_gemv_choice(kernels._read_verdict(path), ["qkv"])
+    assert chosen == {(12288, 4096)} and got["qkv"] == dict(report["qkv"], cached=True)
+    # a verdict for other projections, or a torn file, is judged again (None), never trusted
+    assert kernels._cached_gemv_choice(kernels._read_verdict(path), ["qkv", "o_proj"]) is None
+    path.write_text('{"chosen": [[12288, 40')
+    assert kernels._read_verdict(path) is None and "judging again" in caplog.text
+    assert kernels._cached_gemv_choice({"chosen": "all", "report": {}}, ["qkv"]) is None
+
+
+def test_kernel_verdict_that_cannot_be_written_is_not_kept(tmp_path, caplog):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    caplog.set_level("INFO")
+    kernels._write_verdict(blocker / "coldstart-gemv-x.json", {"chosen": [], "report": {}})  # no exception
+    assert "not kept" in caplog.text and blocker.read_text().startswith("a file")
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]
+
+
+def test_verdict_dir_follows_tritons_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert kernels.verdict_dir() == tmp_path
+    monkeypatch.setenv("COLDSTART_KERNEL_VERDICTS", "0")
+    assert kernels.verdict_dir() is None
+
+
+@gpu
+def test_gpu_gemv_choice_is_kept_and_found_again(monkeypatch, tmp_path):
+    """The second start with the same shapes takes the first one's verdict (not timed again);
+    other shapes, or another margin, are judged anew."""
+    _use_triton(monkeypatch)
+    w = torch.randn(4096, 4096, dtype=torch.float16, device="cuda")
+    first, r1 = kernels.gemv_choice({"proj": [(w, None), (w, None)]}, keep=tmp_path)
+    files = list(tmp_path.glob("coldstart-gemv-*.json"))
+    assert len(files) == 1 and "cached" not in r1["proj"]
+    timed = []
+    monkeypatch.setattr(kernels, "graph_ms", lambda *a, **k: timed.append(1) or 1.0)
+    again, r2 = kernels.gemv_choice({"proj": [(w, None), (w, None)]}, keep=tmp_path)
+    assert again == first and r2["proj"]["cached"] and r2["proj"]["torch_ms"] == r1["proj"]["torch_ms"]
+    assert timed == []
+    kernels.gemv_choice({"proj": [(w, None)]}, keep=tmp_path)  # one layer: another verdict
+    kernels.gemv_choice({"proj": [(w, None), (w, None)]}, margin=0.5, keep=tmp_path)
+    assert timed and len(list(tmp_path.glob("coldstart-gemv-*.json"))) == 3
+
+
 @gpu
 def test_gpu_gemv_choice_never_reads_the_weights(monkeypatch):
     """A replica chooses while its weights are still arriving: NaN weights get the same
@@ -563,6 +620,20 @@ def test_interp_head_start_fills_tritons_per_process_caches(interp, monkeypatch)
     monkeypatch.setenv("COLDSTART_TRITON", "0")
     monkeypatch.setattr(interp, "_HEAD_START", [])
     assert interp.head_start() is None  # Triton turned off: nothing to warm
+
+
+@gpu
+def test_gpu_head_start_makes_tritons_driver(monkeypatch):
+    """The driver object (its C helper module, the platform key) is made on the side
+    thread, so the first self-test on the main thread finds it."""
+    from triton.runtime.driver import driver
+
+    monkeypatch.setattr(kernels, "_HEAD_START", [])
+    monkeypatch.setattr(driver, "_default", None)
+    monkeypatch.setattr(driver, "_active", None)
+    kernels.head_start()
+    kernels._after_head_start()
+    assert driver._active is not None and driver._default is driver._active
 
 
 def test_head_start_is_a_no_op_without_triton(monkeypatch):
