@@ -34,6 +34,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from deployments import head_start
+
 triton = None
 # A CPU-only process skips the import (0.2 s); the interpreter (TRITON_INTERPRET=1, the
 # tests) runs the kernels on CPU tensors, so it imports Triton there too.
@@ -54,45 +56,6 @@ def available(device: torch.device | str) -> bool:
     """True when Triton imports and the device is CUDA (and env COLDSTART_TRITON != "0")."""
     return (triton is not None and torch.device(device).type == "cuda"
             and os.environ.get("COLDSTART_TRITON", "1") != "0")
-
-
-_HEAD_START: list[threading.Thread] = []
-
-
-def head_start() -> threading.Thread | None:
-    """Start, on a side thread, what Triton does once per process before its first launch
-    can even look in its kernel cache: hash its own files and its 400 MB library into
-    every cache key (0.26 s on one core), find libcuda, and make its CUDA driver object,
-    which loads (or, on a new node, compiles) its C helper module and runs ``file`` on the
-    Python executable to key it (0.48 s on the main thread of a replica's start,
-    bench/results/runs/start-profile.json). Nothing here creates a CUDA context; hashing,
-    the compiler and the subprocess waits drop the GIL, so a replica runs it beside its
-    context and the start of its load. The first self-test waits for it
-    (``_after_head_start``). Returns the thread, or None where Triton is not used."""
-    if triton is None or os.environ.get("COLDSTART_TRITON", "1") == "0" or _HEAD_START:
-        return None
-
-    def run() -> None:
-        try:  # Triton's internals: a release that moved them just gives no head start
-            from triton.runtime.cache import triton_key
-            triton_key()
-            from triton.backends.nvidia.driver import libcuda_dirs
-            libcuda_dirs()
-            from triton.runtime.driver import driver
-            driver.active  # noqa: B018 - created on first access
-        except Exception:  # noqa: BLE001 - never fail a replica over a cache warm-up
-            pass
-
-    t = threading.Thread(target=run, name="triton-head-start", daemon=True)
-    t.start()
-    _HEAD_START.append(t)
-    return t
-
-
-def _after_head_start(timeout: float = 60.0) -> None:
-    """Wait for ``head_start``'s thread, so that the work is not done twice."""
-    for t in _HEAD_START:
-        t.join(timeout)
 
 
 # ----------------------------------------------------------------------------- references
@@ -743,7 +706,7 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
     """
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
-    _after_head_start()
+    head_start.wait()  # Triton's per-process set-up, begun on a side thread at the replica's start
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         rnd = _rand(dtype, device)

@@ -604,22 +604,31 @@ def test_attention_self_test_says_why():
     assert "not available" in kernels.attention_self_test(4, 2, 16, torch.float32, "cpu")
 
 
-def test_interp_head_start_fills_tritons_per_process_caches(interp, monkeypatch):
-    """head_start computes, on a side thread, what Triton's first compile needs before it
-    can look in its cache (the hash of its own library); once, and waited for by the first
-    self-test rather than computed twice."""
+def test_head_start_fills_tritons_per_process_caches(monkeypatch):
+    """The side thread computes what Triton's first compile needs before it can look in its
+    cache (the hash of its own library); once per process, waited for by the self-tests."""
+    pytest.importorskip("triton")
     from triton.runtime.cache import triton_key
 
-    monkeypatch.setattr(interp, "_HEAD_START", [])
+    from deployments import head_start
+    monkeypatch.setattr(head_start, "_THREADS", [])
     triton_key.cache_clear()
-    t = interp.head_start()
+    t = head_start.start("cuda")
     assert t is not None and t.name == "triton-head-start"
-    assert interp.head_start() is None  # once per process
-    interp._after_head_start()
+    assert head_start.start("cuda") is None  # once per process
+    head_start.wait()
     assert not t.is_alive() and triton_key.cache_info().currsize == 1
+
+
+def test_head_start_only_where_triton_will_run(monkeypatch):
+    from deployments import head_start
+    monkeypatch.setattr(head_start, "_THREADS", [])
+    assert head_start.start("cpu") is None
     monkeypatch.setenv("COLDSTART_TRITON", "0")
-    monkeypatch.setattr(interp, "_HEAD_START", [])
-    assert interp.head_start() is None  # Triton turned off: nothing to warm
+    assert head_start.start("cuda") is None and not head_start.wanted("cuda:1")
+    monkeypatch.delenv("COLDSTART_TRITON")
+    assert head_start.wanted("cuda:1") and head_start.wanted("auto") == os.path.exists("/dev/nvidiactl")
+    head_start.wait()  # nothing to wait for
 
 
 @gpu
@@ -628,16 +637,10 @@ def test_gpu_head_start_makes_tritons_driver(monkeypatch):
     thread, so the first self-test on the main thread finds it."""
     from triton.runtime.driver import driver
 
-    monkeypatch.setattr(kernels, "_HEAD_START", [])
+    from deployments import head_start
+    monkeypatch.setattr(head_start, "_THREADS", [])
     monkeypatch.setattr(driver, "_default", None)
     monkeypatch.setattr(driver, "_active", None)
-    kernels.head_start()
-    kernels._after_head_start()
+    head_start.start("cuda")
+    head_start.wait()
     assert driver._active is not None and driver._default is driver._active
-
-
-def test_head_start_is_a_no_op_without_triton(monkeypatch):
-    monkeypatch.setattr(kernels, "triton", None)
-    monkeypatch.setattr(kernels, "_HEAD_START", [])
-    assert kernels.head_start() is None
-    kernels._after_head_start()  # nothing to wait for
