@@ -5,10 +5,10 @@ tools build it directly. ``deployments.app`` adds the deployment options.
 
 Start-up order (each step timed; phases go to the log and the metrics):
   1. imports: torch and the engine modules (never transformers for native models)
-  2. preflight checks, the device and its CUDA context; then the read-ahead of
-     the weight file (a cold disk starts now)
-  3. load: the packed model into one device buffer, verified as it loads, on the
-     loader's threads; meanwhile
+  2. preflight checks, the device and its CUDA context
+  3. load: the packed model into one device buffer and its tensor views, then the
+     bytes, verified as they arrive, on the loader's threads with the read-ahead
+     of the file beside them (a cold disk starts now); meanwhile
   4. engine: model over views of that buffer, kernels' self-tests, tokenizer,
      KV cache, CUDA graphs (shapes and addresses only; nothing reads a weight
      before the load has finished and its checksums matched)
@@ -73,6 +73,9 @@ class LLMServer:
         self._t_start = t_start
 
         with timer.phase("imports"):
+            # Triton's import and per-process set-up on a side thread, while this one imports torch
+            from deployments import head_start
+            head_start.start(self.args.device)
             import torch  # noqa: F401  (the cost is what this phase measures)
 
             from deployments.engine import EngineConfig
@@ -80,20 +83,11 @@ class LLMServer:
             from deployments.runtime import check_env, choose_device, create_context
             from deployments.tokenizer import Tokenizer  # noqa: F401  (imported here, used by _build_engine)
             from weights.loader import LoadOptions, start_load
-        if self.args.device != "cpu":
-            from deployments import kernels
-            kernels.head_start()  # Triton's once-per-process set-up, beside the context and the load
         for w in check_env():
             log.warning(w)
         with timer.phase("context"):
             self.device = choose_device(self.args.device)
             log.info("runtime: %s", create_context(self.device))
-        # Read-ahead of the weights from here on, not before the imports and the context: a
-        # bulk read on the same disk starves their page faults on torch's and CUDA's libraries
-        # (`import torch` ended only when the weights were read, bench/cold_import.py; with a
-        # cold cache the context then took 6.8 s instead of 0.5, bench/results/serve.json).
-        # The engine's build, beside the load, is what the read overlaps.
-        prefetch(path)
         if not (path / "model.cst").is_file():
             raise FileNotFoundError(
                 f"{path}: no packed model here (model.cst missing); make one with "
@@ -102,6 +96,14 @@ class LLMServer:
         ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
         t0 = time.perf_counter()
         pending = start_load(path, self.device, options=opts, timer=timer)
+        # Read-ahead of the weights from here on, beside the loader's own reads, which start
+        # now too: not before the imports, the context and the buffer's views. A bulk read on
+        # the same disk starves their page faults on torch's and CUDA's libraries (`import
+        # torch` ended only when the weights were read, bench/cold_import.py; with a cold
+        # cache the context took 6.8 s instead of 0.5, bench/results/runs/serve-v4-naive-warm.json,
+        # and making the 291 views 5.9 s instead of 2 ms, bench/results/serve.json).
+        # The engine's build, beside the load, is what the read overlaps.
+        prefetch(path)
         # The engine is built while the weights' bytes arrive: the model over the buffer's views,
         # the kernels' self-tests and GEMV choice (on their own inputs), the KV cache and the CUDA
         # graphs need the weights' shapes and addresses, never their values. Only a native model
