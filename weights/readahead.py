@@ -1,12 +1,13 @@
 """The page cache and a packed model: read-ahead ahead of the loader, residency.
 
 ``prefetch(path)`` starts reading the weight file into the page cache and
-returns at once. A replica calls it right after its imports and its CUDA
-context, so on a cold page cache the disk already works while the load starts
-and the engine is built; the loader then finds the front of the file in
-memory. (Not before: a bulk read of the same disk starves the page faults of
-the import and of the context on torch's and CUDA's libraries, which then end
-only when the read does; bench/cold_import.py, bench/results/serve.json.)
+returns at once. A replica calls it right after its imports, its CUDA context
+and the loader's start (the device buffer and its tensor views), beside the
+loader's own reads, so on a cold page cache the disk works ahead of the loader
+while the engine is built. (Not before: a bulk read of the same disk starves
+the page faults of the import, of the context and of the first uses of torch's
+code on torch's and CUDA's libraries, which then end only when the read does;
+bench/cold_import.py, bench/results/serve.json.)
 
 One ``posix_fadvise(WILLNEED)`` over the whole file is not enough: Linux reads
 at most max(read_ahead_kb, max_sectors_kb) per call (128 KiB to a few MiB), so
