@@ -5,7 +5,8 @@ One background thread owns the device. Each turn of its loop:
   2. admits waiting requests into free cache slots (lowest slot first, so the
      live slots stay packed at the front and the decode batch stays small);
   3. prefills admitted prompts, `prefill_chunk` tokens per turn, so a long
-     prompt does not stall running sequences for more than one chunk;
+     prompt does not stall running sequences for more than one chunk; fresh
+     prompts that pad to one length share one forward (`_fresh_group`);
   4. launches one decode step for every decoding sequence: cache slots 0..B-1
      in one batch, B rounded up to a graph bucket, keys read up to a kv-length
      bucket; on CUDA this is a CUDA-graph replay, on CPU the same code eagerly;
@@ -168,6 +169,10 @@ class Engine:
         self._use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
         self._prefill_lengths = (prefill_lengths(cfg.prefill_chunk)
                                  if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
+        # fresh prompts of one padded length share a forward (_fresh_group); its head always
+        # multiplies the most rows a group can have, one shape for every group
+        self._batched_prefill = bool(self._prefill_lengths) and getattr(model, "supports_batched_prefill", False)
+        self._logit_rows = max(1, cfg.prefill_chunk // 16)
         self._free = list(range(cfg.max_slots))  # min-heap: lowest slot first keeps the batch packed
         self._inbox: deque[_Seq] = deque()
         self._waiting: deque[_Seq] = deque()
@@ -182,7 +187,7 @@ class Engine:
         self._ids = itertools.count(1)
         self.error: BaseException | None = None
         self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0,
-                       "first_launch_s": 0.0, "first_prefill_s": 0.0}
+                       "first_launch_s": 0.0, "first_prefill_s": 0.0, "batched_prefills": 0}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -278,12 +283,20 @@ class Engine:
         instead of 13 (bench/results/runs/first-prefill-per-thread.json). Only the shapes
         matter, so this may run while the weights are still loading."""
         t0 = t = time.perf_counter()
-        each: dict[int, float] = {}
+        each: dict[int | str, float] = {}
         for n in self._prefill_lengths:
             self.model.prefill(torch.zeros(1, n, dtype=torch.int64, device=self.device), self.cache, 0, 0)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             each[n], t = round((time.perf_counter() - t) * 1e3, 2), time.perf_counter()
+        if self._batched_prefill and self.config.max_slots >= 2 and 32 <= self.config.prefill_chunk:
+            # and two prompts in one forward (_prefill_group): its cache writes by slot, its row
+            # gather and its head's one shape
+            self.model.prefill_batch(torch.zeros(2, 16, dtype=torch.int64, device=self.device), self.cache,
+                                     [0, 1], [16, 16], logit_rows=self._logit_rows)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            each["2x16"], t = round((time.perf_counter() - t) * 1e3, 2), time.perf_counter()
         self._stats["first_prefill_s"] = time.perf_counter() - t0
         self._stats["first_prefill_ms"] = each  # per length: what the first one pays for the thread
 
@@ -362,8 +375,55 @@ class Engine:
             s.handle.admitted_at = time.perf_counter()
             self._prefilling.append(s)
 
+    def _fresh_group(self) -> tuple[list[_Seq], int]:
+        """Prompts to prefill in one forward: the first fresh prompt that fits one chunk and
+        the next ones of its padded length L, as many as make a number of rows R, a power of
+        two, with R x L <= prefill_chunk. Every matrix product then has R x L rows, a length
+        ``start`` has run (prefill_lengths are powers of two), so no first-time cost reaches
+        a request. ([], 0) when there is no such pair of prompts."""
+        if not self._batched_prefill:
+            return [], 0
+        chunk = self.config.prefill_chunk
+        fresh = [s for s in self._prefilling if s.prefilled == 0 and len(s.prompt) <= chunk]
+        if len(fresh) < 2:
+            return [], 0
+        L = self._padded_len(len(fresh[0].prompt), 0)
+        if L & (L - 1):  # chunk itself, not a power of two: alone
+            return [], 0
+        same = [s for s in fresh if self._padded_len(len(s.prompt), 0) == L]
+        R = 1
+        while R * 2 <= len(same) and R * 2 * L <= chunk:
+            R *= 2
+        return (same[:R], L) if R > 1 else ([], 0)
+
+    def _prefill_group(self, group: list[_Seq], L: int) -> None:
+        """One forward for ``group`` (``_fresh_group``); their first tokens are sampled at once."""
+        tokens = torch.tensor([s.prompt + [0] * (L - len(s.prompt)) for s in group], device=self.device)
+        try:
+            logits = self.model.prefill_batch(tokens, self.cache, [s.slot for s in group],
+                                              [len(s.prompt) for s in group], logit_rows=self._logit_rows)
+        except Exception as e:
+            if _is_device_error(e) and not isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            for s in group:
+                log.exception("request %d failed in prefill", s.handle.id)
+                self._finish(s, "error", e)
+            return
+        for s in group:
+            self._prefilling.remove(s)
+            s.prefilled = s.pos = len(s.prompt)
+            s.gen = self._make_generator(s.params)
+            self._decoding.append(s)
+            self._stats["prompt_tokens"] += len(s.prompt)
+        self._stats["batched_prefills"] += 1
+        self._sample(group, logits, defer=False)  # their first tokens stream now
+
     def _prefill_turn(self) -> None:
         budget = self.config.prefill_chunk
+        group, L = self._fresh_group()
+        if group:
+            self._prefill_group(group, L)
+            budget -= len(group) * L
         for s in list(self._prefilling):
             if budget <= 0:
                 break

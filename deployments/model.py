@@ -66,6 +66,7 @@ class AttnContext:
     cache: KVCache | None = None
     slot: int = 0  # prefill
     start: int = 0  # prefill: position of the chunk's first token
+    slots: torch.Tensor | None = None  # prefill of several fresh prompts: [B] cache slot of each row
     positions: torch.Tensor | None = None  # decode: [B] int64
     rows: torch.Tensor | None = None  # decode: arange(B)
     kv_len: int = 0  # decode: keys read from the cache
@@ -185,6 +186,11 @@ class Attention(nn.Module):
         mask = ctx.masks.get(self.window) if ctx.masks else None
         if ctx.mode == "nocache":
             out = self._sdpa(q, k, v, mask)
+        elif ctx.mode == "prefill" and ctx.slots is not None:  # fresh prompts, row b into slot slots[b]
+            kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
+            kc[ctx.slots, :, :S] = k
+            vc[ctx.slots, :, :S] = v
+            out = self._sdpa(q, k, v, mask)  # causal over each prompt itself (mask: sliding windows)
         elif ctx.mode == "prefill":
             kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
             end = ctx.start + S
@@ -253,6 +259,7 @@ class Transformer(nn.Module):
 
     supports_cuda_graphs = True
     supports_prefill_padding = True  # prefill(..., n_valid=)
+    supports_batched_prefill = True  # prefill_batch
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -372,6 +379,32 @@ class Transformer(nn.Module):
             ctx.masks = self._masks(pos, end)
         h = self._run(tokens, ctx)
         return self.lm_head(h[0, (n_valid or C) - 1])
+
+    def prefill_batch(self, tokens: torch.Tensor, cache: KVCache, slots: list[int], n_valid: list[int],
+                      logit_rows: int | None = None) -> torch.Tensor:
+        """Several fresh prompts in one forward: row b of tokens [B, C] is a whole prompt (its
+        first ``n_valid[b]`` tokens, padded after them) at positions 0..C-1 of cache slot
+        ``slots[b]``. Returns the logits [B, V] of each row's last valid position, the same as
+        B calls of ``prefill``. The head multiplies ``logit_rows`` (>= B) rows, padded with
+        row 0, so that its matrix product has one shape whatever B is (a new shape costs its
+        first run in a request's time)."""
+        B, C = tokens.shape
+        if len(slots) != B or len(n_valid) != B or not all(0 < n <= C for n in n_valid):
+            raise ValueError(f"prefill_batch: {B} rows of {C} tokens need {B} slots and 1..{C} valid "
+                             f"tokens each, got slots={slots}, n_valid={n_valid}")
+        if len(set(slots)) != B:
+            raise ValueError(f"prefill_batch: each row needs its own cache slot, got {slots}")
+        self._check_len(C)
+        dev = tokens.device
+        ctx = AttnContext("prefill", self._cos[:C].expand(B, C, -1), self._sin[:C].expand(B, C, -1), {}, cache,
+                          slots=torch.tensor(slots, device=dev))
+        if any(w is not None for w in self.config.layer_windows):
+            ctx.masks = self._masks(torch.arange(C, device=dev).expand(B, C), C)
+        h = self._run(tokens, ctx)  # [B, C, D]
+        rows = max(B, logit_rows or B)
+        take = torch.tensor([n - 1 for n in n_valid] + [n_valid[0] - 1] * (rows - B), device=dev)
+        src = torch.tensor(list(range(B)) + [0] * (rows - B), device=dev)
+        return self.lm_head(h[src, take])[:B]
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache, kv_len: int

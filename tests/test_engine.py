@@ -406,19 +406,82 @@ def test_start_runs_every_prefill_length_once():
     returns; a real request afterwards is unaffected by what that left in the cache."""
     eng, hf = make_engine(start=False, prefill_chunk=40)
     calls = []
-    real = eng.model.prefill
+    real, real_batch = eng.model.prefill, eng.model.prefill_batch
     eng.model.prefill = lambda tokens, *a, **k: (
         calls.append((tokens.shape[1], threading.current_thread().name)), real(tokens, *a, **k))[1]
+    eng.model.prefill_batch = lambda tokens, *a, **k: (
+        calls.append((tuple(tokens.shape), threading.current_thread().name)), real_batch(tokens, *a, **k))[1]
     try:
         eng.start()
-        # in the loop thread, which serves the requests: the first-time cost is per thread
-        assert calls == [(16, "engine-loop"), (32, "engine-loop"), (40, "engine-loop")]
+        # in the loop thread, which serves the requests: the first-time cost is per thread;
+        # then two prompts in one forward, as fresh prompts of one length share one
+        assert calls == [(16, "engine-loop"), (32, "engine-loop"), (40, "engine-loop"), ((2, 16), "engine-loop")]
         assert eng.stats()["first_prefill_s"] > 0
-        assert list(eng.stats()["first_prefill_ms"]) == [16, 32, 40]
+        assert list(eng.stats()["first_prefill_ms"]) == [16, 32, 40, "2x16"]
         assert eng.stats()["prompt_tokens"] == 0  # not requests
         assert eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=8, **GREEDY))[0] == hf_greedy(hf, PROMPTS[0], 8)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 6}),
+                                      ("qwen2", {"tie_word_embeddings": True})])
+def test_prefill_batch_equals_one_prompt_at_a_time(arch, kw):
+    """Fresh prompts in one forward (right-padded to one length, each into its own slot) give
+    each prompt's logits and cache entries as a prefill of that prompt alone; the head's row
+    padding changes nothing."""
+    hf, config = hf_model(arch, **kw)
+    model = build_model(config, state_tensors(hf))
+    lens, slots = [16, 9, 3, 12], [2, 0, 3, 1]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in lens]
+    alone, together = model.new_cache(4, 32), model.new_cache(4, 32)
+    with torch.inference_mode():
+        want = torch.stack([model.prefill(torch.tensor([p]), alone, s, 0) for p, s in zip(prompts, slots)])
+        tokens = torch.tensor([p + [0] * (16 - len(p)) for p in prompts])
+        got = model.prefill_batch(tokens, together, slots, lens, logit_rows=8)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for p, s in zip(prompts, slots):
+        for layer in range(len(alone.k)):
+            torch.testing.assert_close(together.k[layer][s, :, : len(p)], alone.k[layer][s, :, : len(p)])
+            torch.testing.assert_close(together.v[layer][s, :, : len(p)], alone.v[layer][s, :, : len(p)])
+
+
+def test_prefill_batch_rejects_bad_rows():
+    hf, config = hf_model()
+    model = build_model(config, state_tensors(hf))
+    cache = model.new_cache(4, 32)
+    with pytest.raises(ValueError, match="own cache slot"):
+        model.prefill_batch(torch.ones(2, 16, dtype=torch.int64), cache, [1, 1], [16, 16])
+    with pytest.raises(ValueError, match="1..16 valid tokens"):
+        model.prefill_batch(torch.ones(2, 16, dtype=torch.int64), cache, [0, 1], [16, 17])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_fresh_prompts_of_one_length_share_a_prefill(device):
+    """Prompts that arrive together and pad to one length are prefilled in one forward (the
+    rows a power of two, rows x length within the chunk); every output is still transformers'
+    greedy one, and a prompt of another length is prefilled on its own. On CUDA through the
+    fused kernels and the decode graphs."""
+    eng, hf = make_engine(start=False, prefill_chunk=64, max_slots=6, device=device)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (3, 9, 14, 16, 11, 20)]
+    groups = []
+    real = eng.model.prefill_batch
+    eng.model.prefill_batch = lambda tokens, *a, **k: (groups.append(tuple(tokens.shape)), real(tokens, *a, **k))[1]
+    handles = [eng.submit(p, SamplingParams(max_new_tokens=5, **GREEDY)) for p in prompts]
+    try:
+        eng.start()
+        outs = [h.result(timeout=60)[0] for h in handles]
+    finally:
+        eng.shutdown()
+    # start's own (2, 16); then the first four 16-token prompts together (4 x 16 = 64); the
+    # fifth (11 -> 16) has no partner left, the sixth pads to 32: each alone
+    assert groups == [(2, 16), (4, 16)] and eng.stats()["batched_prefills"] == 1
+    assert eng.stats()["prompt_tokens"] == sum(map(len, prompts))
+    for p, got in zip(prompts, outs):
+        assert got == hf_greedy(hf, p, 5)
 
 
 def test_a_failed_first_prefill_fails_start():
