@@ -405,8 +405,8 @@ class Engine:
         except Exception as e:
             if _is_device_error(e) and not isinstance(e, torch.cuda.OutOfMemoryError):
                 raise
+            log.exception("requests %s failed in prefill", [s.handle.id for s in group])
             for s in group:
-                log.exception("request %d failed in prefill", s.handle.id)
                 self._finish(s, "error", e)
             return
         for s in group:

@@ -484,6 +484,23 @@ def test_fresh_prompts_of_one_length_share_a_prefill(device):
         assert got == hf_greedy(hf, p, 5)
 
 
+def test_a_failed_shared_prefill_fails_only_its_requests():
+    eng, hf = make_engine(start=False, prefill_chunk=64)
+    real = eng.model.prefill_batch
+    eng.model.prefill_batch = lambda tokens, *a, **k: (
+        real(tokens, *a, **k) if tokens.shape[0] == 2 and eng.stats()["first_prefill_s"] == 0
+        else (_ for _ in ()).throw(ValueError("a bad row")))
+    handles = [eng.submit(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in ([3, 4], [5, 6, 7], [8] * 20)]
+    try:
+        eng.start()
+        reasons = [h.result(timeout=60)[2] for h in handles]
+        assert reasons == ["error", "error", "length"] and eng.alive()
+        assert eng.generate([9, 10], SamplingParams(max_new_tokens=3, **GREEDY))[0] == hf_greedy(hf, [9, 10], 3)
+        assert eng.stats()["free_slots"] == 4
+    finally:
+        eng.shutdown()
+
+
 def test_a_failed_first_prefill_fails_start():
     eng, _ = make_engine(start=False, prefill_chunk=40)
 
