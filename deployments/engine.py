@@ -282,21 +282,25 @@ class Engine:
         are): run on another thread, a 64-token prompt still took 59 ms to its first token
         instead of 13 (bench/results/runs/first-prefill-per-thread.json). Only the shapes
         matter, so this may run while the weights are still loading."""
-        t0 = t = time.perf_counter()
+        t0 = time.perf_counter()
         each: dict[int | str, float] = {}
-        for n in self._prefill_lengths:
-            self.model.prefill(torch.zeros(1, n, dtype=torch.int64, device=self.device), self.cache, 0, 0)
+
+        def timed(key: int | str, run: Any) -> None:
+            t = time.perf_counter()
+            run()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            each[n], t = round((time.perf_counter() - t) * 1e3, 2), time.perf_counter()
+            each[key] = round((time.perf_counter() - t) * 1e3, 2)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=self.device)
+        for n in self._prefill_lengths:
+            timed(n, lambda: self.model.prefill(zeros(1, n), self.cache, 0, 0))
         if self._batched_prefill and self.config.max_slots >= 2 and 32 <= self.config.prefill_chunk:
             # and two prompts in one forward (_prefill_group): its cache writes by slot, its row
             # gather and its head's one shape
-            self.model.prefill_batch(torch.zeros(2, 16, dtype=torch.int64, device=self.device), self.cache,
-                                     [0, 1], [16, 16], logit_rows=self._logit_rows)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            each["2x16"], t = round((time.perf_counter() - t) * 1e3, 2), time.perf_counter()
+            timed("2x16", lambda: self.model.prefill_batch(zeros(2, 16), self.cache, [0, 1], [16, 16],
+                                                           logit_rows=self._logit_rows))
         self._stats["first_prefill_s"] = time.perf_counter() - t0
         self._stats["first_prefill_ms"] = each  # per length: what the first one pays for the thread
 
@@ -410,13 +414,10 @@ class Engine:
                 self._finish(s, "error", e)
             return
         for s in group:
-            self._prefilling.remove(s)
-            s.prefilled = s.pos = len(s.prompt)
-            s.gen = self._make_generator(s.params)
-            self._decoding.append(s)
+            s.prefilled = len(s.prompt)
             self._stats["prompt_tokens"] += len(s.prompt)
         self._stats["batched_prefills"] += 1
-        self._sample(group, logits, defer=False)  # their first tokens stream now
+        self._to_decoding(group, logits)
 
     def _prefill_turn(self) -> None:
         budget = self.config.prefill_chunk
@@ -448,11 +449,17 @@ class Engine:
                 self._finish(s, "error", e)
                 continue
             if s.prefilled == len(s.prompt):
-                self._prefilling.remove(s)
-                s.pos = len(s.prompt)
-                s.gen = self._make_generator(s.params)
-                self._decoding.append(s)
-                self._sample([s], logits.unsqueeze(0), defer=False)  # its first token streams now
+                self._to_decoding([s], logits.unsqueeze(0))
+
+    def _to_decoding(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sequences whose whole prompt is in the cache start decoding; logits [R, V] (row j
+        for seqs[j], at its last prompt token) give their first tokens, which stream now."""
+        for s in seqs:
+            self._prefilling.remove(s)
+            s.pos = len(s.prompt)
+            s.gen = self._make_generator(s.params)
+            self._decoding.append(s)
+        self._sample(seqs, logits, defer=False)
 
     def _stage_inputs(self, B: int, seqs: list[_Seq]) -> None:
         # Padding rows: token 0 at the last cache position, which no live sequence ever
