@@ -205,16 +205,26 @@ def main(argv: list[str] | None = None) -> dict:
                                      "graphs": st["graphs"]}), flush=True)
         return res
 
-    times, ttfts, decodes = [], [], []
+    def device_allocs() -> int:  # the caching allocator's calls into the driver so far
+        if device.type != "cuda":
+            return 0
+        st = torch.cuda.memory_stats(device)
+        return st.get("num_device_alloc", st.get("segment.all.allocated", 0))
+
+    times, ttfts, decodes, queues, allocs = [], [], [], [], []
     for _ in range(10):
+        a = device_allocs()
         t = time.perf_counter()
         h = engine.submit(prompt(), SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
         h.result(timeout=600)
         times.append((time.perf_counter() - t) * 1e3)
         ttfts.append(h.ttft_s * 1e3)  # queue + prefill + first token
+        queues.append(h.queue_wait_s * 1e3)  # submit -> a cache slot: the loop's wake-up
         decodes.append(15 / h.decode_tokens_per_s * 1e3 if h.decode_tokens_per_s else None)  # the other 15
+        allocs.append(device_allocs() - a)  # > 0: this request grew the allocator's pool
     res["request_ms"] = times  # all ten: one pair alone is at the mercy of a shared host
     res["request_ttft_ms"], res["request_decode_ms"] = ttfts, decodes  # where a slow request spent it
+    res["request_queue_ms"], res["request_device_allocs"] = queues, allocs
     res["first_request_ms"], res["tenth_request_ms"] = times[0], times[9]
     res["later_requests_median_ms"] = sorted(times[1:])[len(times[1:]) // 2]
     res["first_vs_tenth_ms"] = [times[0], times[9]]
