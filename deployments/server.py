@@ -34,7 +34,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from deployments import api
 from deployments.config import DeploymentArgs, WarmupPlan, _from_dict
 from deployments.metrics import Metrics
-from weights.readahead import prefetch
 from weights.timing import PhaseTimer
 
 log = logging.getLogger("coldstart.server")
@@ -95,15 +94,13 @@ class LLMServer:
         opts = _from_dict(LoadOptions, self.args.load, "args.load")
         ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
         t0 = time.perf_counter()
-        pending = start_load(path, self.device, options=opts, timer=timer)
-        # Read-ahead of the weights from here on, beside the loader's own reads, which start
-        # now too: not before the imports, the context and the buffer's views. A bulk read on
-        # the same disk starves their page faults on torch's and CUDA's libraries (`import
-        # torch` ended only when the weights were read, bench/cold_import.py; with a cold
-        # cache the context took 6.8 s instead of 0.5, bench/results/runs/serve-v4-naive-warm.json,
-        # and making the 291 views 5.9 s instead of 2 ms, bench/results/serve.json).
+        # The loader's reads, and its read-ahead of the whole file, start once the buffer and its
+        # views exist: not before the imports, the context and the views. A bulk read on the
+        # same disk starves their page faults on torch's and CUDA's libraries (`import torch`
+        # ended only when the weights were read, bench/cold_import.py; with a cold cache the
+        # context took 6.8 s instead of 0.5, bench/results/runs/serve-v4-naive-warm.json).
         # The engine's build, beside the load, is what the read overlaps.
-        prefetch(path)
+        pending = start_load(path, self.device, options=opts, timer=timer)
         # The engine is built while the weights' bytes arrive: the model over the buffer's views,
         # the kernels' self-tests and GEMV choice (on their own inputs), the KV cache and the CUDA
         # graphs need the weights' shapes and addresses, never their values. Only a native model

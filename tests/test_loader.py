@@ -148,6 +148,25 @@ def test_gpu_start_load_returns_before_the_bytes_and_wait_gives_them_all(small_h
 
 
 @gpu
+def test_gpu_read_ahead_starts_after_the_buffers_views(tiny_packed, monkeypatch):
+    """A bulk read of the weights starves the page faults of whatever the caller's thread
+    runs beside it: the read-ahead starts only once the buffer and every view exist."""
+    import weights.loader as loader_mod
+    from weights import readahead
+
+    events: list[str] = []
+    real_views, real_prefetch = loader_mod._views, readahead.prefetch
+    monkeypatch.setattr(loader_mod, "_views", lambda *a: (events.append("views"), real_views(*a))[1])
+    monkeypatch.setattr(readahead, "prefetch", lambda p: (events.append("prefetch"), real_prefetch(p))[1])
+    p = start_load(tiny_packed, "cuda", options=LoadOptions(adapt=False))
+    p.wait()
+    assert events == ["views", "prefetch"]
+    events.clear()
+    start_load(tiny_packed, "cuda", options=LoadOptions(adapt=False, readahead=False)).wait()
+    assert events == ["views"]
+
+
+@gpu
 def test_gpu_torch_copy_path_bit_exact(small_hf, tmp_path, monkeypatch):
     # the path taken where libcudart cannot be bound: torch's own copies and events
     from weights import loader

@@ -51,24 +51,6 @@ def test_cold_replica_answers_503_and_fails_health(tiny_packed):
         s.shutdown()
 
 
-def test_read_ahead_starts_after_the_buffers_views(tiny_packed, monkeypatch):
-    """A bulk read of the weights starves the page faults of whatever the main thread runs
-    beside it: the read-ahead starts only once the load has made its buffer and views."""
-    import deployments.server as server_mod
-    import weights.loader as loader_mod
-
-    events = []
-    real_start, real_prefetch = loader_mod.start_load, server_mod.prefetch
-    monkeypatch.setattr(loader_mod, "start_load", lambda *a, **k: (
-        events.append("start_load"), pending := real_start(*a, **k),
-        events.append(f"views {len(pending.tensors)}"), pending)[-1])
-    monkeypatch.setattr(server_mod, "prefetch", lambda p: (events.append("prefetch"), real_prefetch(p))[1])
-    s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
-    s.shutdown()
-    assert events[0] == "start_load" and events[1].startswith("views ") and events[2] == "prefetch"
-    assert int(events[1].split()[1]) > 0
-
-
 def test_startup_phases_recorded(server):
     phases = server.timer.as_dict()
     for name in ("imports", "context", "open", "verify", "load", "engine", "constructor", "engine_model",

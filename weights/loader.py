@@ -51,8 +51,8 @@ class LoadOptions:
         verify: check every chunk's checksum (on the device for GPU loads).
         cold_threads, cold_read_bytes: used instead when ``adapt`` is on and most of
             the file is not in the page cache (sampled with mincore before reading).
-        readahead: start ``weights.readahead.prefetch`` first (a no-op if the
-            replica already did), so a cold disk streams while the readers wait on it.
+        readahead: start ``weights.readahead.prefetch`` as the load's thread starts
+            (after the buffer and its views), so a cold disk streams ahead of the readers.
         direct_io: read with O_DIRECT, past the page cache (falls back to buffered
             reads where the filesystem refuses it); ``cold_direct_io`` turns it on
             for the cold settings only.
@@ -271,8 +271,6 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         dev = torch.device("cuda", torch.cuda.current_device())
     if opts.adapt:
         opts = _settings_for_cache(packed, opts)
-    if opts.readahead and not opts.direct_io:
-        readahead.prefetch(packed.path)  # a cold disk starts streaming at once
     n = packed.data_bytes
     with timer.phase("alloc"):
         free, total = torch.cuda.mem_get_info(dev)
@@ -282,6 +280,13 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         torch.cuda.current_stream(dev).synchronize()
 
     def work() -> None:
+        # On the load's thread, so from the moment the buffer and its views exist (never
+        # before: a bulk read of the same disk starves the page faults of whatever the
+        # caller's thread still runs on torch's and CUDA's libraries; with it started before
+        # the views, a cold replica took 5.8 s instead of 3 ms to make them,
+        # bench/results/runs/serve-v5-read-ahead-before-views.json)
+        if opts.readahead and not opts.direct_io:
+            readahead.prefetch(packed.path)
         torch.cuda.set_device(dev)
         rt = _cudart()
         verifier = _Verifier(packed, buffer, dev) if opts.verify else None
