@@ -12,6 +12,9 @@ the import, so both share the disk. Each case starts from a dropped cache:
                         the weights are resident (what a replica's load would wait for)
   import-with-gentle    a gentler helper (one 1 MiB read at a time) beside `import torch`,
                         the hints after it; the same two figures
+  import-with-gentle-8MiB  the same, 8 MiB per read, and how much was read by the import's end
+  replica[...]          a replica's imports phase with Triton's head start (as it is,
+                        without it, with Triton's key hashed), cold, then warm
   pread-16              16 threads reading the file (the loader's cold pattern), for scale
 
 Prints and writes one JSON; the figures say whether the overlap pays on this host.
@@ -63,9 +66,35 @@ def import_torch() -> float:
     return time.perf_counter() - t
 
 
-def helper(path: Path, gentle: bool = False) -> subprocess.Popen:
+# A replica's imports phase (deployments.server.LLMServer), then the wait for Triton's
+# head start that the first kernel self-test does; prints both times
+_REPLICA = r"""
+import time; t = time.perf_counter()
+from deployments import head_start
+head_start.start("cuda")
+import torch
+from deployments.engine import EngineConfig
+from deployments.model import NATIVE_ARCHITECTURES, architecture
+from deployments.runtime import check_env, choose_device, create_context
+from deployments.tokenizer import Tokenizer
+from weights.loader import LoadOptions, start_load
+a = time.perf_counter() - t
+head_start.wait()
+print(a, time.perf_counter() - t)
+"""
+
+
+def replica_imports(env: dict | None = None) -> tuple[float, float]:
+    """(imports, imports + the head start's wait) of a replica, in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _REPLICA], check=True, capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    a, b = out.stdout.split()[-2:]
+    return float(a), float(b)
+
+
+def helper(path: Path, gentle: bool = False, piece: int = GENTLE_PIECE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-I", "-S", "-c", _GENTLE if gentle else _HINTS, str(path),
-                             str(GENTLE_PIECE if gentle else PIECE), str(path.stat().st_size)])
+                             str(piece if gentle else PIECE), str(path.stat().st_size)])
 
 
 def until_resident(path: Path, t0: float, limit_s: float = 120.0) -> float:
@@ -127,6 +156,22 @@ def main() -> None:
     helper(f).wait()
     res["import_with_gentle_resident_s"] = until_resident(f, t0)
     g.kill()
+    drop()
+    t0 = time.perf_counter()
+    g = helper(f, gentle=True, piece=8 << 20)  # the same with 8 MiB reads
+    res["import_with_gentle_8MiB_s"] = import_torch()
+    res["gentle_8MiB_read_during_import_GB"] = gb * (resident_fraction(f, samples=256) or 0.0)
+    helper(f).wait()
+    res["import_with_gentle_8MiB_resident_s"] = until_resident(f, t0)
+    g.kill()
+    # the replica's own imports phase: as it is, without Triton's head start, and with
+    # Triton's key computed (its 400 MB library hashed) rather than kept
+    for name, env in (("replica", None), ("replica_no_head_start", {"COLDSTART_TRITON": "0"}),
+                      ("replica_triton_key_hashed", {"COLDSTART_KERNEL_VERDICTS": "0"})):
+        replica_imports(env)  # the kept files and caches exist before the cold run
+        drop()
+        res[f"{name}_imports_s"], res[f"{name}_imports_and_head_start_s"] = replica_imports(env)
+        res[f"{name}_warm_imports_s"], res[f"{name}_warm_imports_and_head_start_s"] = replica_imports(env)
     drop()
     res["pread16_s"] = pread(f)
     res["prefetch_alone_GBps"] = gb / res["prefetch_alone_s"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill engine startenv serve naive-warm naive-cold scaleup
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve naive-warm naive-cold scaleup
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -39,6 +39,8 @@ for stage in "$@"; do
              COLDSTART_BUILD_DURING_LOAD=0 python3 bench/start_profile.py $W/packed \
                --out "$out/start-profile-sequential.json" 2>&1 | tail -20 ;;
     firstprefill) python3 bench/first_prefill.py $W/packed --out "$out/first-prefill.json" 2>&1 | grep -v METRIC | tail -12 ;;
+    firstanatomy) python3 bench/first_prefill.py $W/packed --anatomy --out "$out/first-prefill-anatomy.json" 2>&1 \
+               | grep -v METRIC | tail -12 ;;
     coldimport) python3 bench/cold_import.py $W/packed --out "$out/cold-import.json" ;;
     startenv) # the engine's start under the replica's settings, one at a time (graph capture took
              # 2.1 s in a Ray replica and 0.4 s here); the last with an empty Triton cache

@@ -5,10 +5,13 @@ import Triton, hash Triton's own files and its 400 MB library into every cache k
 find libcuda, and make Triton's CUDA driver object, which loads (on a new node:
 compiles) a C helper module and runs ``file`` on the Python executable to key it.
 On an H200 host that was 0.22 s of import, 0.26 s of hashing and 0.48 s of driver
-on the replica's main thread (bench/results/runs/start-profile.json). Hashing,
-the compiler, the subprocesses and the module loads drop the GIL, so ``start``
-runs them while the main thread imports torch; the first self-test of the kernels
-calls ``wait``.
+on the replica's main thread (bench/results/runs/start-profile-v0-driver-on-main-thread.json).
+Hashing, the compiler, the subprocesses and the module loads drop the GIL, so
+``start`` runs them while the main thread imports torch; the first self-test of
+the kernels calls ``wait``. The hash is kept per node (``kept_triton_key``), and
+the driver's C helper is loaded before torch is there: only the driver object
+itself, which asks torch whether CUDA is available, waits for the main thread's
+``import torch``.
 
 Neither Triton nor this module imports torch (``import torch`` on the side thread
 waits for the main thread's); this module imports nothing heavy on purpose.
@@ -16,6 +19,7 @@ waits for the main thread's); this module imports nothing heavy on purpose.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 
@@ -38,10 +42,10 @@ def start(device: str = "auto") -> threading.Thread | None:
     def run() -> None:
         try:  # Triton's internals: a release that moved them just gives no head start
             import triton  # noqa: F401
-            from triton.runtime.cache import triton_key
-            triton_key()
-            from triton.backends.nvidia.driver import libcuda_dirs
+            kept_triton_key()
+            from triton.backends.nvidia.driver import CudaUtils, libcuda_dirs
             libcuda_dirs()
+            CudaUtils()  # the driver's C helper (a singleton): needs neither torch nor a context
             import torch  # the main thread's import, once it is done
             if torch.cuda.is_available():  # no CUDA context is made here
                 from triton.runtime.driver import driver
@@ -59,3 +63,80 @@ def wait(timeout: float = 60.0) -> None:
     """Wait for ``start``'s thread, so that its work is not done twice."""
     for t in _THREADS:
         t.join(timeout)
+
+
+def _key_signature(root: str) -> str | None:
+    """Size and mtime of every file Triton's own key hashes (its compiler, backends and
+    language sources, ``runtime/cache.py``, ``_C/libtriton``): a reinstall or an edit of
+    any of them changes it. None where Triton's layout is not the expected one."""
+    h = hashlib.sha256()
+    lib = [f for f in os.listdir(os.path.join(root, "_C")) if f.startswith("libtriton.")] \
+        if os.path.isdir(os.path.join(root, "_C")) else []
+    if not lib:
+        return None
+    files = [os.path.join(root, "runtime", "cache.py")] + [os.path.join(root, "_C", f) for f in sorted(lib)]
+    for sub in ("compiler", "backends", "language"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, sub)):
+            dirnames.sort()
+            files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def kept_triton_key() -> str:
+    """Triton's ``triton_key()``, the prefix of every kernel's cache key, kept per node.
+
+    Triton computes it in every process by hashing its own sources and its 400 MB library
+    (0.26 s on an H200 host; on a cold page cache, 400 MB read from the disk the weights
+    are read from). The key is kept beside Triton's kernel cache in a file named by the
+    size and mtime of each file it hashes, and installed as ``triton.runtime.cache.triton_key``
+    for this process; a change to Triton gets a new file. Env COLDSTART_KERNEL_VERDICTS=0
+    keeps nothing (Triton computes its key as usual)."""
+    import triton
+    from triton.runtime import cache
+
+    real = cache.triton_key
+    if os.environ.get("COLDSTART_KERNEL_VERDICTS", "1") == "0":
+        return real()
+    from deployments.doctor import triton_cache_dir
+
+    try:
+        sig = _key_signature(os.path.dirname(os.path.abspath(triton.__file__)))
+    except OSError:
+        sig = None
+    if sig is None:
+        return real()
+    path = os.path.join(str(triton_cache_dir(os.environ)), f"coldstart-triton-key-{sig[:32]}.txt")
+    try:
+        with open(path) as f:
+            key = f.read()
+    except OSError:
+        key = ""
+    if not key.startswith(str(triton.__version__)) or len(key) < 64:  # none yet, or torn: made anew
+        key = real()
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(key)
+            os.replace(tmp, path)
+        except OSError:  # a cache that cannot be written: the next start computes it again
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return key
+
+    def kept() -> str:
+        return key
+    kept.cache_info = real.cache_info  # type: ignore[attr-defined]  (lru_cache's API, for callers that use it)
+    kept.cache_clear = real.cache_clear  # type: ignore[attr-defined]
+    kept.kept = True  # type: ignore[attr-defined]
+    cache.triton_key = kept
+    from triton.runtime import autotuner  # it took the name at import
+
+    if getattr(autotuner, "triton_key", None) is real:
+        autotuner.triton_key = kept
+    return key

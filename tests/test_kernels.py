@@ -9,6 +9,8 @@ process with TRITON_INTERPRET=1 (or run `TRITON_INTERPRET=1 pytest tests/test_ke
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -614,9 +616,65 @@ def test_head_start_fills_tritons_per_process_caches():
             "from triton.runtime.cache import triton_key; "
             "print(t.name, again is None, t.is_alive(), triton_key.cache_info().currsize)")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLDSTART_KERNEL_VERDICTS": "0"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["triton-head-start", "True", "False", "1"]
+
+
+def test_tritons_key_is_kept_per_node(tmp_path):
+    """The second process takes Triton's key from the file the first one left beside the
+    kernel cache, equal to what Triton computes; a torn file is made anew; with kept
+    verdicts off, Triton computes its own. In processes of their own (see above)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    code = ("import json; from deployments import head_start; from triton.runtime import cache; "
+            "k = head_start.kept_triton_key(); "
+            "print(json.dumps([k, getattr(cache.triton_key, 'kept', False), cache.triton_key() == k]))")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("COLDSTART_KERNEL_VERDICTS", None)
+
+    def run(extra: dict | None = None) -> list:
+        out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=120, env={**env, **(extra or {})})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    real = run({"COLDSTART_KERNEL_VERDICTS": "0"})  # Triton's own, nothing kept
+    assert real[1:] == [False, True] and not (tmp_path / "cache").exists()
+    real = real[0]
+    assert run() == [real, False, True]  # computed, and kept
+    files = list((tmp_path / "cache").glob("coldstart-triton-key-*.txt"))
+    assert len(files) == 1 and files[0].read_text() == real
+    assert run() == [real, True, True]  # taken from the file
+    files[0].write_text(real[:10])  # torn
+    assert run() == [real, False, True] and files[0].read_text() == real
+
+
+def test_tritons_kept_key_is_named_by_every_file_it_hashes(tmp_path):
+    """A Triton-like tree: its signature changes with the library, a source, or cache.py;
+    a tree without the library has none (Triton's own key is used)."""
+    from deployments.head_start import _key_signature
+
+    for rel in ("_C/libtriton.so", "runtime/cache.py", "compiler/compiler.py", "backends/nvidia/driver.py",
+                "language/core.py", "language/notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    sig = _key_signature(str(tmp_path))
+    assert sig and _key_signature(str(tmp_path)) == sig
+    seen = {sig}
+    for rel in ("_C/libtriton.so", "runtime/cache.py", "compiler/compiler.py", "backends/nvidia/driver.py",
+                "language/core.py"):
+        f = tmp_path / rel
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        now = _key_signature(str(tmp_path))
+        assert now not in seen, rel
+        seen.add(now)
+    (tmp_path / "language" / "notes.txt").write_text("not hashed by Triton")
+    assert _key_signature(str(tmp_path)) in seen
+    (tmp_path / "_C" / "libtriton.so").unlink()
+    assert _key_signature(str(tmp_path)) is None
 
 
 def test_head_start_only_where_triton_will_run(monkeypatch):
