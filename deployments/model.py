@@ -36,6 +36,17 @@ log = logging.getLogger(__name__)
 
 # `enable_gqa` in SDPA arrived in torch 2.5; pyproject allows 2.4.
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+# Attention backends of the model's SDPA calls on a GPU: not cuDNN's, which torch prefers on
+# an H200. cuDNN builds a plan per shape and per thread (the handles are per thread), 54 ms
+# for the first 128-token prefill of a 7B in a new thread, against ~15 ms for the whole
+# prefill afterwards (bench/results/runs/first-prefill-anatomy.json); and its libraries load
+# on first use. Flash attention has no such set-up; the others are its fallbacks.
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _SDPA_BACKENDS: list = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:  # torch < 2.3: its own choice
+    _SDPA_BACKENDS = []
 
 
 class KVCache:
@@ -320,6 +331,12 @@ class Transformer(nn.Module):
         return out
 
     def _run(self, tokens: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        if tokens.is_cuda and _SDPA_BACKENDS:
+            with sdpa_kernel(_SDPA_BACKENDS):
+                return self._layers(tokens, ctx)
+        return self._layers(tokens, ctx)
+
+    def _layers(self, tokens: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)  # [B, S, D]
         if not self.use_kernels:
             for layer in self.model.layers:
