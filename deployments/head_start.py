@@ -26,12 +26,18 @@ import threading
 _THREADS: list[threading.Thread] = []
 
 
-def wanted(device: str) -> bool:
-    """Whether a replica on ``device`` ("auto", "cpu", "cuda[:N]") will launch Triton kernels
-    (as far as can be told before importing torch)."""
-    if os.environ.get("COLDSTART_TRITON", "1") == "0" or device == "cpu":
+def gpu_expected(device: str) -> bool:
+    """Whether a replica on ``device`` ("auto", "cpu", "cuda[:N]") will run on a GPU, as far
+    as can be told before importing torch."""
+    if device == "cpu":
         return False
     return device.startswith("cuda") or os.path.exists("/dev/nvidiactl")  # auto: an NVIDIA driver is here
+
+
+def wanted(device: str) -> bool:
+    """Whether a replica on ``device`` will launch Triton kernels (``gpu_expected``, and
+    env COLDSTART_TRITON is not 0)."""
+    return os.environ.get("COLDSTART_TRITON", "1") != "0" and gpu_expected(device)
 
 
 def start(device: str = "auto") -> threading.Thread | None:

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from deployments import api
 from deployments.config import DeploymentArgs, WarmupPlan, _from_dict
 from deployments.metrics import Metrics
+from weights.readahead import is_cold, stop_trickle, trickle
 from weights.timing import PhaseTimer
 
 log = logging.getLogger("coldstart.server")
@@ -72,8 +73,9 @@ class LLMServer:
         self._t_start = t_start
 
         with timer.phase("imports"):
-            # Triton's import and per-process set-up on a side thread, while this one imports torch
             from deployments import head_start
+            trickling = self._start_trickle(path, head_start.gpu_expected(self.args.device))
+            # Triton's import and per-process set-up on a side thread, while this one imports torch
             head_start.start(self.args.device)
             import torch  # noqa: F401  (the cost is what this phase measures)
 
@@ -99,8 +101,13 @@ class LLMServer:
         # same disk starves their page faults on torch's and CUDA's libraries (`import torch`
         # ended only when the weights were read, bench/cold_import.py; with a cold cache the
         # context took 6.8 s instead of 0.5, bench/results/runs/serve-v4-naive-warm.json).
-        # The engine's build, beside the load, is what the read overlaps.
-        pending = start_load(path, self.device, options=opts, timer=timer)
+        # The engine's build, beside the load, is what the read overlaps. On a cold page cache
+        # the bulk read waits for the build too (hold, released below): the build's first
+        # launches fault in pages of CUDA's, torch's and Triton's files, and beside the bulk
+        # read they waited for all of it (the first kernel self-test took 6.9 s instead of
+        # 0.4, bench/results/runs/serve-v6-build-beside-cold-read.json); the trickle, one
+        # piece at a time, reads meanwhile.
+        pending = start_load(path, self.device, options=opts, timer=timer, hold=trickling)
         # The engine is built while the weights' bytes arrive: the model over the buffer's views,
         # the kernels' self-tests and GEMV choice (on their own inputs), the KV cache and the CUDA
         # graphs need the weights' shapes and addresses, never their values. Only a native model
@@ -113,11 +120,14 @@ class LLMServer:
                 self._build_engine(pending, path, ecfg)
             except BaseException:
                 if loaded is None:  # let the loader's threads end before the error unwinds the replica
+                    pending.cancel()  # a held load reads nothing
                     try:
                         pending.wait()
                     except BaseException:  # noqa: BLE001 - the build's error is the one to report
                         pass
+                stop_trickle(path)
                 raise
+            pending.release()
             if loaded is None:
                 try:
                     with timer.phase("load_wait"):  # the part of the load the engine's build did not hide
@@ -163,7 +173,24 @@ class LLMServer:
         its own duration and rate, from its start, whatever ran beside it."""
         loaded = pending.wait()
         self.timer.record("load", pending.finished_at - t0, loaded.nbytes)
+        if pending.held_s:
+            self.timer.record("load_held", pending.held_s)  # of it, the bulk read's wait for the build
         return loaded
+
+    def _start_trickle(self, path: Any, gpu: bool) -> bool:
+        """On a GPU replica whose weights are mostly not in the page cache, start reading them
+        one piece at a time (``weights.readahead.trickle``) at once, while the imports, the
+        context and the engine's build run; whether it started. ``load.trickle: false`` turns
+        it off. Imports nothing heavy: it runs before torch is imported."""
+        if not gpu or not self.args.load.get("trickle", True):
+            return False
+        if not is_cold(path):
+            return False
+        started = trickle(path) is not None
+        if started:
+            log.info("%s: weights not in the page cache; reading them one piece at a time until "
+                     "the engine is built", path)
+        return started
 
     # ---- lifecycle ---------------------------------------------------------
     def reconfigure(self, user_config: dict | None) -> None:

@@ -114,6 +114,35 @@ def test_pending_load_hands_its_error_to_the_waiter(tiny_packed):
     assert p.done()
 
 
+def test_held_load_reads_nothing_until_released_and_can_be_cancelled(tiny_packed):
+    """hold=True: the load's work waits for release() (or wait(), which releases); a held load
+    that is cancelled never runs its work and its waiter gets an error, not garbage."""
+    import threading
+    import time
+    m = load(tiny_packed, "cpu")
+    ran = threading.Event()
+
+    def work() -> None:
+        ran.set()
+    p = PendingLoad(m.path, m.packed, m.device, m.buffer, m.config, PhaseTimer(), work, hold=True)
+    time.sleep(0.1)
+    assert not ran.is_set() and not p.done()
+    p.release()
+    assert p.wait(timeout=10).tensors.keys() == m.tensors.keys() and ran.is_set()
+    assert p.held_s >= 0.1
+    ran.clear()
+    q = PendingLoad(m.path, m.packed, m.device, m.buffer, m.config, PhaseTimer(), work, hold=True)
+    q.cancel()
+    with pytest.raises(RuntimeError, match="cancelled before it began reading"):
+        q.wait(timeout=10)
+    assert not ran.is_set()
+    r = PendingLoad(m.path, m.packed, m.device, m.buffer, m.config, PhaseTimer(), work, hold=True)
+    r.wait(timeout=10)  # wait() releases: a caller that forgot release() does not hang
+    assert ran.is_set() and r.done()
+    r.cancel()  # once it has read: nothing to cancel
+    r.wait(timeout=10)
+
+
 # ---- GPU: run on the GPU machine ----
 
 @gpu
@@ -164,6 +193,24 @@ def test_gpu_read_ahead_starts_after_the_buffers_views(tiny_packed, monkeypatch)
     events.clear()
     start_load(tiny_packed, "cuda", options=LoadOptions(adapt=False, readahead=False)).wait()
     assert events == ["views"]
+
+
+@gpu
+def test_gpu_held_load_copies_only_after_release(small_hf, tmp_path):
+    dest = pack(small_hf, tmp_path / "p", PackOptions(chunk_bytes=65536, progress=False))
+    p = start_load(dest, "cuda", options=LoadOptions(threads=2, read_bytes=65536, adapt=False), hold=True)
+    import time
+    time.sleep(0.2)
+    assert not p.done() and "read_copy" not in p.timer.as_dict()
+    p.release()
+    m = p.wait()
+    for name, t in _source(small_hf).items():
+        assert torch.equal(_bits(m.tensors[name]), _bits(t)), name
+    q = start_load(dest, "cuda", options=LoadOptions(adapt=False), hold=True)
+    q.cancel()
+    with pytest.raises(RuntimeError, match="cancelled"):
+        q.wait()
+    assert "read_copy" not in q.timer.as_dict()
 
 
 @gpu
@@ -226,6 +273,15 @@ def test_load_settings_follow_the_page_cache(small_hf, tmp_path):
         pytest.skip("this kernel kept the pages despite POSIX_FADV_DONTNEED")
     chosen = _settings_for_cache(pf, opts)
     assert (chosen.threads, chosen.read_bytes) == (opts.cold_threads, opts.cold_read_bytes)
+    # the front half in the page cache (a trickle's work): the rest is still a disk read
+    with open(pf.path, "rb") as fh:
+        fh.seek(pf.data_offset)
+        fh.read(pf.data_bytes // 2)
+    half = resident_fraction(pf.path, pf.data_offset, pf.data_bytes)
+    if not 0.3 < half < 0.8:
+        pytest.skip(f"the kernel read ahead to {half:.0%} of the file")
+    chosen = _settings_for_cache(pf, opts)
+    assert (chosen.threads, chosen.read_bytes) == (opts.cold_threads, opts.cold_read_bytes)
 
 
 def _evicted_file(path: Path, size: int) -> Path:
@@ -282,3 +338,27 @@ def test_prefetch_reads_ahead_at_most_half_the_free_memory(tmp_path, monkeypatch
     assert _wait_resident(f, 0, 16 << 20) == 16 << 20
     rest = readahead.resident_bytes(f, 16 << 20, size - (16 << 20))
     assert rest < (size - (16 << 20)) // 4, f"{rest >> 20} MiB past the limit were read ahead"
+
+
+def test_trickle_reads_the_file_one_piece_at_a_time_and_stops(tmp_path):
+    """The trickle brings the whole file into the page cache, in one helper per file; it
+    can be stopped (what it read stays); is_cold tells a cold file from a warm one."""
+    from weights import readahead
+
+    size = 24 << 20
+    f = _evicted_file(tmp_path / "model.cst", size)
+    assert readahead.is_cold(tmp_path) and readahead.is_cold(f)
+    proc = readahead.trickle(f, piece=1 << 20)
+    assert proc is not None and readahead.trickle(tmp_path) is proc  # the directory's model.cst
+    assert proc.wait(timeout=60) == 0
+    assert _wait_resident(f, 0, size) == size and not readahead.is_cold(f)
+    assert readahead.stop_trickle(f) is False  # it had finished
+    assert readahead.stop_trickle(f) is False  # and is forgotten
+    # a long one (6144 reads of 4 KiB, one at a time), stopped while it runs
+    (tmp_path / "other").mkdir()
+    g = _evicted_file(tmp_path / "other" / "model.cst", size)
+    slow = readahead.trickle(g, piece=4096)
+    assert slow is not None and readahead.stop_trickle(g) is True
+    assert slow.poll() is not None
+    assert readahead.resident_bytes(g, 0, size) < size
+    assert readahead.trickle(tmp_path / "missing") is None and not readahead.is_cold(tmp_path / "missing")

@@ -51,6 +51,36 @@ def test_cold_replica_answers_503_and_fails_health(tiny_packed):
         s.shutdown()
 
 
+def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed, tmp_path):
+    """Before its imports, a GPU replica whose weights are not in the page cache starts
+    reading them one piece at a time; not on the CPU, not with load.trickle false, not
+    when they are cached already."""
+    import shutil
+    from types import SimpleNamespace
+
+    from deployments.doctor import drop_page_cache
+    from weights import readahead
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_packed, d)
+    drop_page_cache([d / "model.cst"])
+    if not readahead.is_cold(d):
+        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+
+    def replica(**load) -> SimpleNamespace:
+        return SimpleNamespace(args=SimpleNamespace(load=load))
+    assert LLMServer._start_trickle(replica(), d, gpu=False) is False
+    assert LLMServer._start_trickle(replica(trickle=False), d, gpu=True) is False
+    assert readahead.stop_trickle(d) is False  # none was started
+    assert LLMServer._start_trickle(replica(), d, gpu=True) is True
+    helper = readahead.trickle(d)  # the one the replica started
+    assert helper is not None and helper.wait(timeout=60) == 0
+    readahead.stop_trickle(d)
+    assert not readahead.is_cold(d)
+    assert LLMServer._start_trickle(replica(), d, gpu=True) is False  # cached now: nothing to trickle
+    assert readahead.stop_trickle(d) is False
+
+
 def test_startup_phases_recorded(server):
     phases = server.timer.as_dict()
     for name in ("imports", "context", "open", "verify", "load", "engine", "constructor", "engine_model",

@@ -53,6 +53,9 @@ class LoadOptions:
             the file is not in the page cache (sampled with mincore before reading).
         readahead: start ``weights.readahead.prefetch`` as the load's thread starts
             (after the buffer and its views), so a cold disk streams ahead of the readers.
+        trickle: read by a replica (``LLMServer``), not here: when most of the file is not
+            in the page cache, the replica trickles it in (``weights.readahead.trickle``)
+            from its first instant and holds this load's reads until its engine is built.
         direct_io: read with O_DIRECT, past the page cache (falls back to buffered
             reads where the filesystem refuses it); ``cold_direct_io`` turns it on
             for the cold settings only.
@@ -72,6 +75,7 @@ class LoadOptions:
     verify: bool = True
     headroom_bytes: int = 0
     readahead: bool = True
+    trickle: bool = True
     direct_io: bool = False
     cold_direct_io: bool = False
 
@@ -151,16 +155,26 @@ class PendingLoad:
     views, self-tests of kernels, CUDA graph capture) can run meanwhile; nothing may read
     the weights' values before ``wait()`` has returned, which is also what raises a
     checksum mismatch or a read error.
+
+    A load started with ``hold=True`` reads nothing until ``release()`` (or ``wait()``):
+    the caller first runs work whose page faults must not queue behind a bulk read of
+    the same disk. ``cancel()`` ends a load that has not begun reading.
     """
 
     def __init__(self, path: Path, packed: PackedFile, device: torch.device, buffer: torch.Tensor,
-                 config: dict, timer: PhaseTimer, work: "Callable[[], None] | None" = None):
+                 config: dict, timer: PhaseTimer, work: "Callable[[], None] | None" = None,
+                 hold: bool = False):
         self.path, self.packed, self.device, self.buffer = path, packed, device, buffer
         self.config, self.timer = config, timer
         with timer.phase("assemble"):
             self.tensors = _views(packed, buffer)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._gate = threading.Event()
+        self._cancelled = False
+        self.held_s = 0.0  # how long the bytes waited for release()
+        if not hold:
+            self._gate.set()
         self.finished_at = time.perf_counter()  # perf_counter() when the last byte was checked
         if work is not None:
             self._thread = threading.Thread(target=self._run, args=(work,), name="coldstart-load",
@@ -168,11 +182,27 @@ class PendingLoad:
             self._thread.start()
 
     def _run(self, work: "Callable[[], None]") -> None:
+        t = time.perf_counter()
+        self._gate.wait()
+        self.held_s = time.perf_counter() - t
         try:
+            if self._cancelled:
+                raise RuntimeError(f"{self.packed.path}: load cancelled before it began reading")
             work()
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             self._error = e
         self.finished_at = time.perf_counter()
+
+    def release(self) -> None:
+        """Let a load started with ``hold=True`` begin reading (a no-op otherwise)."""
+        self._gate.set()
+
+    def cancel(self) -> None:
+        """End a held load without reading (its ``wait()`` then raises); a load already
+        reading goes on to its end."""
+        if not self._gate.is_set():
+            self._cancelled = True
+        self._gate.set()
 
     @property
     def background(self) -> bool:
@@ -184,7 +214,9 @@ class PendingLoad:
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> LoadedModel:
-        """Block until the load has finished; re-raise its error in the caller's thread."""
+        """Block until the load has finished (releasing a held one); re-raise its error in
+        the caller's thread."""
+        self.release()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -196,13 +228,15 @@ class PendingLoad:
 
 
 def start_load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
-               options: LoadOptions | None = None, timer: PhaseTimer | None = None) -> PendingLoad:
+               options: LoadOptions | None = None, timer: PhaseTimer | None = None,
+               hold: bool = False) -> PendingLoad:
     """Start loading a packed model (see ``load``) and return as soon as the device buffer
     is allocated and its tensor views exist; ``PendingLoad.wait()`` finishes the load.
 
-    On a GPU the reads, copies and checksums go on in a background thread. On the CPU the
-    load is a memory map and its verification, done before this returns. Errors found up
-    front (a bad file, too little device memory) raise here; later ones from ``wait()``.
+    On a GPU the reads, copies and checksums go on in a background thread; with
+    ``hold=True`` they begin only at ``PendingLoad.release()``. On the CPU the load is a
+    memory map and its verification, done before this returns. Errors found up front (a
+    bad file, too little device memory) raise here; later ones from ``wait()``.
     """
     opts = options or LoadOptions()
     timer = timer or PhaseTimer()
@@ -215,7 +249,7 @@ def start_load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
         return PendingLoad(d, packed, dev, _load_cpu(packed, opts, timer), config, timer)
     if dev.type == "cuda":
         buffer, work = _start_cuda(packed, dev, opts, timer)
-        return PendingLoad(d, packed, buffer.device, buffer, config, timer, work)
+        return PendingLoad(d, packed, buffer.device, buffer, config, timer, work, hold=hold)
     raise ValueError(f"device={device!r}: only cpu and cuda are supported")
 
 
@@ -269,8 +303,6 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
     fills and verifies it, for the load's own thread."""
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    if opts.adapt:
-        opts = _settings_for_cache(packed, opts)
     n = packed.data_bytes
     with timer.phase("alloc"):
         free, total = torch.cuda.mem_get_info(dev)
@@ -280,20 +312,22 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         torch.cuda.current_stream(dev).synchronize()
 
     def work() -> None:
-        # On the load's thread, so from the moment the buffer and its views exist (never
-        # before: a bulk read of the same disk starves the page faults of whatever the
-        # caller's thread still runs on torch's and CUDA's libraries; with it started before
-        # the views, a cold replica took 5.8 s instead of 3 ms to make them,
-        # bench/results/runs/serve-v5-read-ahead-before-views.json)
-        if opts.readahead and not opts.direct_io:
+        # On the load's thread, so from the moment the buffer and its views exist, or the
+        # caller released a held load (never before: a bulk read of the same disk starves
+        # the page faults of whatever the caller's thread still runs on torch's and CUDA's
+        # libraries; with it started before the views, a cold replica took 5.8 s instead
+        # of 3 ms to make them, bench/results/runs/serve-v5-read-ahead-before-views.json)
+        readahead.stop_trickle(packed.path)  # the caller's gentle reader, if any: from here on, these reads
+        o = _settings_for_cache(packed, opts) if opts.adapt else opts  # what is in the page cache now
+        if o.readahead and not o.direct_io:
             readahead.prefetch(packed.path)
         torch.cuda.set_device(dev)
         rt = _cudart()
-        verifier = _Verifier(packed, buffer, dev) if opts.verify else None
+        verifier = _Verifier(packed, buffer, dev) if o.verify else None
         # no device-wide sync in these phases: other threads may be using the GPU meanwhile;
         # every copy has been waited for (its event) when _stream_into returns
         with timer.phase("read_copy", nbytes=n):
-            _stream_into(packed, buffer, dev, opts, rt, verifier)
+            _stream_into(packed, buffer, dev, o, rt, verifier)
         if verifier is not None:
             # the sums of most chunks were computed while later ones were still loading;
             # this phase is only what was left when the last byte arrived
@@ -303,9 +337,10 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
 
 
 def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:
-    """Disk settings when most of the data region is not in the page cache."""
+    """Disk settings when more than a tenth of the data region is not in the page cache (a
+    replica's trickle may have read the front of a cold file: the rest is a disk read)."""
     frac = readahead.resident_fraction(packed.path, packed.data_offset, packed.data_bytes)
-    if frac is None or frac >= 0.5:
+    if frac is None or frac >= 0.9:
         return opts
     log.info("%.0f%% of %s is in the page cache: reading it from disk with %d threads x %d MiB",
              100 * frac, packed.path, opts.cold_threads, opts.cold_read_bytes >> 20)

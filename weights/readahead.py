@@ -1,13 +1,16 @@
 """The page cache and a packed model: read-ahead ahead of the loader, residency.
 
 ``prefetch(path)`` starts reading the weight file into the page cache and
-returns at once. A replica calls it right after its imports, its CUDA context
-and the loader's start (the device buffer and its tensor views), beside the
-loader's own reads, so on a cold page cache the disk works ahead of the loader
-while the engine is built. (Not before: a bulk read of the same disk starves
-the page faults of the import, of the context and of the first uses of torch's
-code on torch's and CUDA's libraries, which then end only when the read does;
-bench/cold_import.py, bench/results/serve.json.)
+returns at once. The loader calls it as its reads begin, so on a cold page
+cache the disk works ahead of the loader's threads. Not earlier: a bulk read of
+the same disk starves the page faults of an import, of the CUDA context and of
+the first uses of torch's, CUDA's and Triton's code, which then end only when
+the read does (bench/cold_import.py, bench/results/runs/cold-import-h200.json).
+
+``trickle(path)`` is the read that may run beside them: one piece at a time,
+with the kernel's read-ahead off, so a page fault waits behind one piece at
+most. A cold replica starts it at its first instant and the loader stops it
+when its own reads begin (``stop_trickle``).
 
 One ``posix_fadvise(WILLNEED)`` over the whole file is not enough: Linux reads
 at most max(read_ahead_kb, max_sectors_kb) per call (128 KiB to a few MiB), so
@@ -48,8 +51,63 @@ for off in range(0, size, piece):
     os.posix_fadvise(fd, off, piece, os.POSIX_FADV_WILLNEED)
 """
 
+# One read of TRICKLE_PIECE at a time, with the kernel's own read-ahead off for this
+# descriptor (FADV_RANDOM): the disk's queue never holds more than one such request, so the
+# page faults of an import beside it wait for at most one piece. Plain reads, even one at a
+# time, let the kernel's read-ahead queue megabytes ahead of them, and an import beside them
+# ended only with the whole file read (bench/results/runs/cold-import-h200.json).
+_TRICKLE = r"""
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+piece, limit = int(sys.argv[2]), int(sys.argv[3])
+size = min(os.fstat(fd).st_size, limit)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+buf = bytearray(piece)
+off = 0
+while off < size:
+    n = os.preadv(fd, [buf], off)
+    if n <= 0:
+        break
+    off += n
+"""
+TRICKLE_PIECE = 1 << 20
+
 _started: dict[str, subprocess.Popen] = {}
+_trickles: dict[str, subprocess.Popen] = {}
 _lock = threading.Lock()
+
+
+def _weight_file(path: str | os.PathLike) -> Path | None:
+    """``model.cst`` itself or in a packed directory; None where it is missing or the
+    platform has no ``posix_fadvise``."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "model.cst"
+    return p if p.is_file() and hasattr(os, "posix_fadvise") else None
+
+
+def _helper(registry: dict[str, subprocess.Popen], code: str, path: str | os.PathLike, piece: int,
+            what: str) -> subprocess.Popen | None:
+    """Start ``code`` on ``path`` in a helper process once per file and registry."""
+    p = _weight_file(path)
+    if p is None:
+        return None
+    key = str(p.resolve())
+    # read ahead no more than half the free memory: a file larger than that would push
+    # its own first pages out before the loader got to them, and be read twice
+    limit = p.stat().st_size if (avail := _available_memory()) is None else avail // 2
+    with _lock:
+        proc = registry.get(key)
+        if proc is None:
+            try:  # -I -S: no site packages, no environment: starts in ~10 ms
+                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, key, str(piece), str(limit)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, close_fds=True)
+            except OSError as e:
+                log.warning("%s of %s skipped: %s", what, p, e)
+                return None
+            registry[key] = proc
+    return proc
 
 
 def prefetch(path: str | os.PathLike) -> subprocess.Popen | None:
@@ -61,27 +119,47 @@ def prefetch(path: str | os.PathLike) -> subprocess.Popen | None:
     same file in this process returns the first one's helper. At most half of
     the memory available now is read ahead (the front of the file).
     """
-    p = Path(path)
-    if p.is_dir():
-        p = p / "model.cst"
-    if not p.is_file() or not hasattr(os, "posix_fadvise"):
-        return None
-    key = str(p.resolve())
-    # read ahead no more than half the free memory: a file larger than that would push
-    # its own first pages out before the loader got to them, and be read twice
-    limit = p.stat().st_size if (avail := _available_memory()) is None else avail // 2
+    return _helper(_started, _HINTS, path, PIECE, "prefetch")
+
+
+def trickle(path: str | os.PathLike, piece: int = TRICKLE_PIECE) -> subprocess.Popen | None:
+    """Start reading ``model.cst`` into the page cache one ``piece`` at a time, front to
+    back, in a helper process; returns it (None as for ``prefetch``).
+
+    Made to run beside work that faults in pages of other files on the same disk (a
+    replica's imports, its CUDA context, the first launches of its kernels): they wait
+    behind one piece at most, where ``prefetch`` or the loader's many readers would make
+    them wait for most of the file. At most half the available memory is read. A second
+    call for the same file returns the first one's helper; ``stop_trickle`` ends it.
+    """
+    return _helper(_trickles, _TRICKLE, path, piece, "trickle")
+
+
+def stop_trickle(path: str | os.PathLike) -> bool:
+    """End ``trickle``'s helper for this file, if one runs; whether one was running. What
+    it read stays in the page cache."""
+    p = _weight_file(path)
+    if p is None:
+        return False
     with _lock:
-        proc = _started.get(key)
-        if proc is None:
-            try:  # -I -S: no site packages, no environment: starts in ~10 ms
-                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _HINTS, key, str(PIECE), str(limit)],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, close_fds=True)
-            except OSError as e:
-                log.warning("prefetch of %s skipped: %s", p, e)
-                return None
-            _started[key] = proc
-    return proc
+        proc = _trickles.pop(str(p.resolve()), None)
+    if proc is None:
+        return False
+    running = proc.poll() is None
+    if running:
+        proc.kill()
+    proc.wait()
+    return running
+
+
+def is_cold(path: str | os.PathLike, below: float = 0.5) -> bool:
+    """Whether less than ``below`` of ``model.cst`` is in the page cache (False when that
+    cannot be told, or the file is missing)."""
+    p = _weight_file(path)
+    if p is None:
+        return False
+    frac = resident_fraction(p)
+    return frac is not None and frac < below
 
 
 def _available_memory() -> int | None:
