@@ -40,13 +40,18 @@ _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]
 # an H200. cuDNN builds a plan per shape and per thread (the handles are per thread), 54 ms
 # for the first 128-token prefill of a 7B in a new thread, against ~15 ms for the whole
 # prefill afterwards (bench/results/runs/first-prefill-anatomy.json); and its libraries load
-# on first use. Flash attention has no such set-up; the others are its fallbacks.
-try:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+# on first use. Flash attention has no such set-up; the others are its fallbacks. Its price:
+# a 128-token prompt's first token ~3 ms later than with cuDNN (17.4 against 13.7 ms,
+# bench/results/engine.json against runs/engine-v7-cudnn-attention.json). Env
+# COLDSTART_PREFILL_ATTENTION=auto leaves the choice to torch (cuDNN on an H200).
+_SDPA_BACKENDS: list = []
+if os.environ.get("COLDSTART_PREFILL_ATTENTION", "flash") != "auto":
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    _SDPA_BACKENDS: list = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-except ImportError:  # torch < 2.3: its own choice
-    _SDPA_BACKENDS = []
+        _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    except ImportError:  # torch < 2.3: its own choice
+        pass
 
 
 class KVCache:
