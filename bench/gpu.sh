@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve naive-warm naive-cold scaleup
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-cold naive-warm naive-cold scaleup
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -29,6 +29,9 @@ for stage in "$@"; do
     engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
     serve)   python3 bench/serve.py --out "$out" --report "$out" > "$out/serve.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
+    serve-cold) # minimal and coldstart with a cold page cache only, with this run's own disk figure
+             python3 bench/serve.py --out "$out" --kinds minimal,coldstart --caches cold > "$out/serve-cold.log" 2>&1; r=$?
+             grep -E "warm after|^\\|" "$out/serve-cold.log"; (exit $r) ;;
     naive-warm|naive-cold) # the article's naive path (minutes per start: one device call each),
              # added to the serve stage's report
              python3 bench/serve.py --out "$out" --report "$out" --naive --kinds naive --caches ${stage#naive-} \
