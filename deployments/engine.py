@@ -332,10 +332,35 @@ class Engine:
                 with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                     out = self._decode_eager(B, L)
                 self._graphs[(B, L)] = (g, out)
+        self._stats["graphs_uploaded"] = self._upload_graphs()
         torch.cuda.synchronize(self.device)
         self._stats["capture_s"] = time.perf_counter() - t0
         log.info("captured %d decode graphs in %.2f s (%.2f s of it the first eager launches)",
                  len(self._graphs), self._stats["capture_s"], self._stats["first_launch_s"])
+
+    def _upload_graphs(self) -> int:
+        """Upload every captured graph to the device now; returns how many were. A graph
+        that is not uploaded is uploaded by its first launch, which would be a user's decode
+        step: the warm-up replays only the graphs of its own batch sizes and key lengths.
+        Needs the graph's executable handle (torch >= 2.9) and torch's libcudart; 0 without."""
+        from weights.cudart import CudaError, CudaRT
+
+        rt = CudaRT.find()
+        if rt is None:
+            return 0
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        n = 0
+        for g, _ in self._graphs.values():
+            raw = getattr(g, "raw_cuda_graph_exec", None)
+            try:
+                if raw is None:
+                    break
+                rt.graph_upload(raw(), stream)
+            except (CudaError, RuntimeError) as e:  # nothing lost: the first launch uploads it
+                log.info("CUDA graphs not uploaded ahead (%s): each one's first launch does it", e)
+                break
+            n += 1
+        return n
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:

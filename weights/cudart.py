@@ -1,4 +1,5 @@
-"""The few CUDA runtime calls the load path makes, straight through ctypes.
+"""The few CUDA runtime calls the load path (and the engine's graph upload) makes,
+straight through ctypes.
 
 Why not torch: each piece of a load is a read, a host->device copy and an
 event; through torch every copy and event holds the GIL for tens of
@@ -42,6 +43,7 @@ class CudaRT:
             "cudaEventRecord": [c.c_void_p, c.c_void_p],
             "cudaEventSynchronize": [c.c_void_p],
             "cudaEventDestroy": [c.c_void_p],
+            "cudaGraphUpload": [c.c_void_p, c.c_void_p],
             "cudaGetErrorString": [c.c_int],
         }
         for name, args in sigs.items():
@@ -98,6 +100,10 @@ class CudaRT:
 
     def destroy(self, event: int) -> None:
         self._check(self.lib.cudaEventDestroy(event), "cudaEventDestroy")
+
+    def graph_upload(self, graph_exec: int, stream: int) -> None:
+        """Upload an instantiated CUDA graph to the device now (else its first launch does)."""
+        self._check(self.lib.cudaGraphUpload(graph_exec, stream), "cudaGraphUpload")
 
 
 def host_view(ptr: int, nbytes: int) -> memoryview:
