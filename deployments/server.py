@@ -181,9 +181,11 @@ class LLMServer:
         """On a GPU replica whose weights are mostly not in the page cache, start reading them
         one piece at a time (``weights.readahead.trickle``) at once, while the imports, the
         context and the engine's build run; whether it started. ``load.trickle: false`` turns
-        it off. Imports nothing heavy: it runs before torch is imported."""
-        if not gpu or not self.args.load.get("trickle", True):
-            return False
+        it off, and O_DIRECT reads do without it. Imports nothing heavy: it runs before torch
+        is imported."""
+        load = self.args.load
+        if not gpu or not load.get("trickle", True) or load.get("direct_io") or load.get("cold_direct_io"):
+            return False  # (O_DIRECT reads would not use what it read)
         if not is_cold(path):
             return False
         started = trickle(path) is not None

@@ -139,6 +139,8 @@ def test_held_load_reads_nothing_until_released_and_can_be_cancelled(tiny_packed
     r = PendingLoad(m.path, m.packed, m.device, m.buffer, m.config, PhaseTimer(), work, hold=True)
     r.wait(timeout=10)  # wait() releases: a caller that forgot release() does not hang
     assert ran.is_set() and r.done()
+    unheld = PendingLoad(m.path, m.packed, m.device, m.buffer, m.config, PhaseTimer(), work)
+    assert unheld.wait(timeout=10) and unheld.held_s == 0.0  # only a held load records its wait
     r.cancel()  # once it has read: nothing to cancel
     r.wait(timeout=10)
 

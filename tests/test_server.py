@@ -71,6 +71,7 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
         return SimpleNamespace(args=SimpleNamespace(load=load))
     assert LLMServer._start_trickle(replica(), d, gpu=False) is False
     assert LLMServer._start_trickle(replica(trickle=False), d, gpu=True) is False
+    assert LLMServer._start_trickle(replica(cold_direct_io=True), d, gpu=True) is False
     assert readahead.stop_trickle(d) is False  # none was started
     assert LLMServer._start_trickle(replica(), d, gpu=True) is True
     helper = readahead.trickle(d)  # the one the replica started
@@ -286,6 +287,34 @@ def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(
     assert runs["1"][0] == runs["0"][0]
     assert "load_wait" in runs["1"][1] and "load_wait" not in runs["0"][1]
     assert runs["1"][1]["load"] > 0 and runs["0"][1]["load"] > 0
+
+
+@gpu
+def test_gpu_cold_replica_trickles_holds_its_load_and_serves_the_same(tiny_packed, tmp_path):
+    """Weights not in the page cache: the replica trickles them in, its loader's bulk read
+    waits for the engine's build (load_held), and it serves what a warm replica serves."""
+    import shutil
+
+    from deployments.doctor import drop_page_cache
+    from weights import readahead
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_packed, d)
+    runs = {}
+    for cache in ("warm", "cold"):
+        if cache == "cold":
+            drop_page_cache([d / "model.cst"])
+            if not readahead.is_cold(d):
+                pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+        s = LLMServer(str(d), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
+        try:
+            s.reconfigure({"warmup": {"requests": 1}})
+            runs[cache] = (_greedy(s), s.timer.as_dict())
+        finally:
+            s.shutdown()
+    assert runs["cold"][0] == runs["warm"][0]
+    assert "load_held" in runs["cold"][1] and "load_held" not in runs["warm"][1]
+    assert readahead.stop_trickle(d) is False  # the loader ended it when its reads began
 
 
 @gpu

@@ -182,9 +182,10 @@ class PendingLoad:
             self._thread.start()
 
     def _run(self, work: "Callable[[], None]") -> None:
-        t = time.perf_counter()
-        self._gate.wait()
-        self.held_s = time.perf_counter() - t
+        if not self._gate.is_set():
+            t = time.perf_counter()
+            self._gate.wait()
+            self.held_s = time.perf_counter() - t
         try:
             if self._cancelled:
                 raise RuntimeError(f"{self.packed.path}: load cancelled before it began reading")

@@ -58,13 +58,14 @@ for off in range(0, size, piece):
 # ended only with the whole file read (bench/results/runs/cold-import-h200.json).
 _TRICKLE = r"""
 import os, sys
+parent = os.getppid()
 fd = os.open(sys.argv[1], os.O_RDONLY)
 piece, limit = int(sys.argv[2]), int(sys.argv[3])
 size = min(os.fstat(fd).st_size, limit)
 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 buf = bytearray(piece)
 off = 0
-while off < size:
+while off < size and os.getppid() == parent:  # the replica gone: nobody to read for
     n = os.preadv(fd, [buf], off)
     if n <= 0:
         break
