@@ -271,6 +271,16 @@ def _greedy(server, prompt: str = "The answer is ", n: int = 12) -> list[int]:
                                   SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
 
 
+def _gpu_replica_run(path) -> tuple:
+    """A GPU replica of ``path`` started, warmed and shut down: (its greedy output, its phases)."""
+    s = LLMServer(str(path), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
+    try:
+        s.reconfigure({"warmup": {"requests": 1}})
+        return _greedy(s), s.timer.as_dict()
+    finally:
+        s.shutdown()
+
+
 @gpu
 def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(tiny_packed, monkeypatch):
     """By default a GPU replica builds its engine (kernel self-tests, CUDA graphs) while the
@@ -278,12 +288,7 @@ def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("COLDSTART_BUILD_DURING_LOAD", flag)
-        s = LLMServer(str(tiny_packed), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
-        try:
-            s.reconfigure({"warmup": {"requests": 1}})
-            runs[flag] = (_greedy(s), s.timer.as_dict())
-        finally:
-            s.shutdown()
+        runs[flag] = _gpu_replica_run(tiny_packed)
     assert runs["1"][0] == runs["0"][0]
     assert "load_wait" in runs["1"][1] and "load_wait" not in runs["0"][1]
     assert runs["1"][1]["load"] > 0 and runs["0"][1]["load"] > 0
@@ -306,12 +311,7 @@ def test_gpu_cold_replica_trickles_holds_its_load_and_serves_the_same(tiny_packe
             drop_page_cache([d / "model.cst"])
             if not readahead.is_cold(d):
                 pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
-        s = LLMServer(str(d), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
-        try:
-            s.reconfigure({"warmup": {"requests": 1}})
-            runs[cache] = (_greedy(s), s.timer.as_dict())
-        finally:
-            s.shutdown()
+        runs[cache] = _gpu_replica_run(d)
     assert runs["cold"][0] == runs["warm"][0]
     assert "load_held" in runs["cold"][1] and "load_held" not in runs["warm"][1]
     assert readahead.stop_trickle(d) is False  # the loader ended it when its reads began
