@@ -92,6 +92,14 @@ def load_tensors(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     return json.loads((d / "config.json").read_text()), tensors
 
 
+def device_allocs(device: torch.device) -> int:
+    """The caching allocator's calls into the driver so far (0 off the GPU)."""
+    if device.type != "cuda":
+        return 0
+    st = torch.cuda.memory_stats(device)
+    return st.get("num_device_alloc", st.get("segment.all.allocated", 0))
+
+
 def import_seconds() -> float:
     code = ("import torch, time; t = time.perf_counter();"
             "import deployments.model, deployments.engine, deployments.tokenizer;"
@@ -205,15 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
                                      "graphs": st["graphs"]}), flush=True)
         return res
 
-    def device_allocs() -> int:  # the caching allocator's calls into the driver so far
-        if device.type != "cuda":
-            return 0
-        st = torch.cuda.memory_stats(device)
-        return st.get("num_device_alloc", st.get("segment.all.allocated", 0))
-
     times, ttfts, decodes, queues, allocs = [], [], [], [], []
     for _ in range(10):
-        a = device_allocs()
+        a = device_allocs(device)
         t = time.perf_counter()
         h = engine.submit(prompt(), SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
         h.result(timeout=600)
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         ttfts.append(h.ttft_s * 1e3)  # queue + prefill + first token
         queues.append(h.queue_wait_s * 1e3)  # submit -> a cache slot: the loop's wake-up
         decodes.append(15 / h.decode_tokens_per_s * 1e3 if h.decode_tokens_per_s else None)  # the other 15
-        allocs.append(device_allocs() - a)  # > 0: this request grew the allocator's pool
+        allocs.append(device_allocs(device) - a)  # > 0: this request grew the allocator's pool
     res["request_ms"] = times  # all ten: one pair alone is at the mercy of a shared host
     res["request_ttft_ms"], res["request_decode_ms"] = ttfts, decodes  # where a slow request spent it
     res["request_queue_ms"], res["request_device_allocs"] = queues, allocs

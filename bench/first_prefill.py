@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.engine import device_allocs  # noqa: E402
 from deployments.config import WarmupPlan  # noqa: E402
 from deployments.engine import Engine, EngineConfig  # noqa: E402
 from deployments.model import build_model  # noqa: E402
@@ -52,18 +53,14 @@ def anatomy(model, engine: Engine) -> dict:
     dev = model.device
     lengths = engine.prefill_lengths()
 
-    def allocs() -> int:
-        st = torch.cuda.memory_stats(dev)
-        return st.get("num_device_alloc", st.get("segment.all.allocated", 0))
-
     def sweep(order: tuple[int, ...]) -> list[dict]:
         rows = []
         for n in order:
-            a = allocs()
+            a = device_allocs(dev)
             t = time.perf_counter()
             model.prefill(torch.zeros(1, n, dtype=torch.int64, device=dev), engine.cache, 0, 0)
             torch.cuda.synchronize(dev)
-            rows.append({"tokens": n, "ms": round((time.perf_counter() - t) * 1e3, 2), "device_allocs": allocs() - a})
+            rows.append({"tokens": n, "ms": round((time.perf_counter() - t) * 1e3, 2), "device_allocs": device_allocs(dev) - a})
         return rows
 
     res = {"ascending_first_thread": _in_thread(lambda: sweep(lengths)),
