@@ -345,17 +345,16 @@ class Engine:
         Needs the graph's executable handle (torch >= 2.9) and torch's libcudart; 0 without."""
         from weights.cudart import CudaError, CudaRT
 
+        if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+            return 0
         rt = CudaRT.find()
         if rt is None:
             return 0
         stream = torch.cuda.current_stream(self.device).cuda_stream
         n = 0
         for g, _ in self._graphs.values():
-            raw = getattr(g, "raw_cuda_graph_exec", None)
             try:
-                if raw is None:
-                    break
-                rt.graph_upload(raw(), stream)
+                rt.graph_upload(g.raw_cuda_graph_exec(), stream)
             except (CudaError, RuntimeError) as e:  # nothing lost: the first launch uploads it
                 log.info("CUDA graphs not uploaded ahead (%s): each one's first launch does it", e)
                 break
