@@ -71,6 +71,27 @@ def wait(timeout: float = 60.0) -> None:
         t.join(timeout)
 
 
+def write_kept(path: str | os.PathLike, text: str) -> OSError | None:
+    """Write a file a replica keeps per node (beside Triton's cache) atomically: a reader
+    sees the old file, no file, or the whole new one. Returns the error where the directory
+    cannot be written (the caller then just works it out again at its next start)."""
+    path = os.fspath(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        os.makedirs(head or ".", exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return e
+    return None
+
+
 def _key_signature(root: str) -> str | None:
     """Size and mtime of every file Triton's own key hashes (its compiler, backends and
     language sources, ``runtime/cache.py``, ``_C/libtriton``): a reinstall or an edit of
@@ -122,17 +143,7 @@ def kept_triton_key() -> str:
         key = ""
     if not key.startswith(str(triton.__version__)) or len(key) < 64:  # none yet, or torn: made anew
         key = real()
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "w") as f:
-                f.write(key)
-            os.replace(tmp, path)
-        except OSError:  # a cache that cannot be written: the next start computes it again
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        write_kept(path, key)  # a cache that cannot be written: the next start computes it again
         return key
 
     def kept() -> str:

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -585,17 +584,9 @@ def _read_verdict(path: Path) -> dict | None:
 def _write_verdict(path: Path, doc: dict) -> None:
     """Atomically (a reader sees the old file, no file, or the whole new one); a directory
     that cannot be written just means judging again at the next start."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:
+    e = head_start.write_kept(path, json.dumps(doc, indent=1))
+    if e is not None:
         log.info("kernel verdict not kept (%s): the next start judges again", e)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _cached_gemv_choice(doc: dict | None, names: list[str]
