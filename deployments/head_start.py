@@ -71,6 +71,16 @@ def wait(timeout: float = 60.0) -> None:
         t.join(timeout)
 
 
+def kept_dir() -> str | None:
+    """Where a replica keeps what it works out once per node (the GEMV verdict, Triton's
+    key): beside Triton's compiled kernels, which live as long as the node's (or volume's)
+    kernel cache. None (nothing kept) with env COLDSTART_KERNEL_VERDICTS=0."""
+    if os.environ.get("COLDSTART_KERNEL_VERDICTS", "1") == "0":
+        return None
+    from deployments.doctor import triton_cache_dir
+    return str(triton_cache_dir(os.environ))
+
+
 def write_kept(path: str | os.PathLike, text: str) -> OSError | None:
     """Write a file a replica keeps per node (beside Triton's cache) atomically: a reader
     sees the old file, no file, or the whole new one. Returns the error where the directory
@@ -125,17 +135,16 @@ def kept_triton_key() -> str:
     from triton.runtime import cache
 
     real = cache.triton_key
-    if os.environ.get("COLDSTART_KERNEL_VERDICTS", "1") == "0":
+    where = kept_dir()
+    if where is None:
         return real()
-    from deployments.doctor import triton_cache_dir
-
     try:
         sig = _key_signature(os.path.dirname(os.path.abspath(triton.__file__)))
     except OSError:
         sig = None
     if sig is None:
         return real()
-    path = os.path.join(str(triton_cache_dir(os.environ)), f"coldstart-triton-key-{sig[:32]}.txt")
+    path = os.path.join(where, f"coldstart-triton-key-{sig[:32]}.txt")
     try:
         with open(path) as f:
             key = f.read()

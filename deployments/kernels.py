@@ -552,11 +552,9 @@ def graph_ms(fn: Callable[[], object], device: torch.device | str, replays: int 
 def verdict_dir() -> Path | None:
     """Where a replica keeps its kernel verdicts (the GEMV choice): files beside Triton's
     compiled kernels, which live as long as the node's (or volume's) kernel cache.
-    None (never kept) with env COLDSTART_KERNEL_VERDICTS=0."""
-    if os.environ.get("COLDSTART_KERNEL_VERDICTS", "1") == "0":
-        return None
-    from deployments.doctor import triton_cache_dir
-    return triton_cache_dir(os.environ)
+    None (never kept) with env COLDSTART_KERNEL_VERDICTS=0 (``head_start.kept_dir``)."""
+    where = head_start.kept_dir()
+    return None if where is None else Path(where)
 
 
 def verdict_path(kind: str, judged: Any, device: torch.device, where: Path) -> Path:
