@@ -126,7 +126,7 @@ def test_generate_streams_ndjson(client):
 
 
 def test_openai_completion_and_chat_shapes(client):
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4})
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4, "temperature": 0})
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
@@ -140,7 +140,8 @@ def test_openai_completion_and_chat_shapes(client):
 
 def test_stream_options_include_usage(client):
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+            "model": "m", "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hello"}]}) as r:
         events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -151,7 +152,7 @@ def test_stream_options_include_usage(client):
 
 def test_chat_streams_sse_with_done(client):
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "max_tokens": 5, "stream": True,
+            "model": "m", "max_tokens": 5, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "hello"}]}) as r:
         events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
     assert r.headers["content-type"].startswith("text/event-stream")
