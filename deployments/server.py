@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from deployments import api
 from deployments.config import DeploymentArgs, WarmupPlan, _from_dict
 from deployments.metrics import Metrics
+from weights.options import LoadOptions
 from weights.readahead import is_cold, stop_trickle, trickle
 from weights.timing import PhaseTimer
 
@@ -44,6 +45,38 @@ RETRY_AFTER_S = 5
 
 class NotWarm(RuntimeError):
     pass
+
+
+def import_engine(device: str) -> None:
+    """A replica's imports once its trickle is started (the rest of its "imports" phase, which
+    bench/cold_import.py times in a fresh process): Triton's import and per-process set-up on a
+    side thread (``head_start``) while this one imports torch and the engine's modules."""
+    from deployments import head_start
+    head_start.start(device)
+    import torch  # noqa: F401  (the cost is what the phase measures)
+
+    import deployments.engine  # noqa: F401
+    import deployments.model  # noqa: F401
+    import deployments.runtime  # noqa: F401
+    import deployments.tokenizer  # noqa: F401
+    import weights.loader  # noqa: F401
+
+
+def _start_trickle(path: Any, gpu: bool, opts: LoadOptions) -> bool:
+    """On a GPU replica whose weights are mostly not in the page cache, start reading them
+    one piece at a time (``weights.readahead.trickle``) at once, while the imports, the
+    context and the engine's build run; whether it started. ``load.trickle: false`` turns
+    it off, and O_DIRECT reads do without it. Imports nothing heavy: it runs before torch
+    is imported."""
+    if not gpu or not opts.trickle or opts.direct_io or opts.cold_direct_io:
+        return False  # (O_DIRECT reads would not use what it read)
+    if not is_cold(path):
+        return False
+    started = trickle(path) is not None
+    if started:
+        log.info("%s: weights not in the page cache; reading them one piece at a time until "
+                 "the engine is built", path)
+    return started
 
 
 class LLMServer:
@@ -66,6 +99,9 @@ class LLMServer:
         # every response says which replica answered (x-coldstart-replica)
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         path = self.args.model_path()
+        # checked before the imports: a bad field fails the replica at once, and the trickle
+        # below decides from these before torch is imported
+        opts = _from_dict(LoadOptions, self.args.load, "args.load")
         self.metrics = metrics or Metrics()
         self.timer = timer = PhaseTimer(sinks=[self.metrics.phase])
         self.warm = False
@@ -74,16 +110,12 @@ class LLMServer:
 
         with timer.phase("imports"):
             from deployments import head_start
-            trickling = self._start_trickle(path, head_start.gpu_expected(self.args.device))
-            # Triton's import and per-process set-up on a side thread, while this one imports torch
-            head_start.start(self.args.device)
-            import torch  # noqa: F401  (the cost is what this phase measures)
-
-            from deployments.engine import EngineConfig
-            from deployments.model import NATIVE_ARCHITECTURES, architecture
-            from deployments.runtime import check_env, choose_device, create_context
-            from deployments.tokenizer import Tokenizer  # noqa: F401  (imported here, used by _build_engine)
-            from weights.loader import LoadOptions, start_load
+            trickling = _start_trickle(path, head_start.gpu_expected(self.args.device), opts)
+            import_engine(self.args.device)
+        from deployments.engine import EngineConfig
+        from deployments.model import NATIVE_ARCHITECTURES, architecture
+        from deployments.runtime import check_env, choose_device, create_context
+        from weights.loader import start_load
         for w in check_env():
             log.warning(w)
         with timer.phase("context"):
@@ -93,7 +125,6 @@ class LLMServer:
             raise FileNotFoundError(
                 f"{path}: no packed model here (model.cst missing); make one with "
                 "`coldstart pack HF_DIR " + str(path) + "`, or run `coldstart serve` for the demo")
-        opts = _from_dict(LoadOptions, self.args.load, "args.load")
         ecfg = _from_dict(EngineConfig, self.args.engine, "args.engine")
         t0 = time.perf_counter()
         # The loader's reads, and its read-ahead of the whole file, start once the buffer and its
@@ -152,7 +183,7 @@ class LLMServer:
 
     def _build_engine(self, pending: Any, path: Any, ecfg: Any) -> None:
         """Model over the load's tensor views, tokenizer, KV cache, CUDA graphs: phase engine."""
-        from deployments.engine import Engine  # imported in the imports phase already
+        from deployments.engine import Engine  # imported in the imports phase already (import_engine)
         from deployments.model import build_model
         from deployments.tokenizer import Tokenizer
         timer = self.timer
@@ -176,23 +207,6 @@ class LLMServer:
         if pending.held_s:
             self.timer.record("load_held", pending.held_s)  # of it, the bulk read's wait for the build
         return loaded
-
-    def _start_trickle(self, path: Any, gpu: bool) -> bool:
-        """On a GPU replica whose weights are mostly not in the page cache, start reading them
-        one piece at a time (``weights.readahead.trickle``) at once, while the imports, the
-        context and the engine's build run; whether it started. ``load.trickle: false`` turns
-        it off, and O_DIRECT reads do without it. Imports nothing heavy: it runs before torch
-        is imported."""
-        load = self.args.load
-        if not gpu or not load.get("trickle", True) or load.get("direct_io") or load.get("cold_direct_io"):
-            return False  # (O_DIRECT reads would not use what it read)
-        if not is_cold(path):
-            return False
-        started = trickle(path) is not None
-        if started:
-            log.info("%s: weights not in the page cache; reading them one piece at a time until "
-                     "the engine is built", path)
-        return started
 
     # ---- lifecycle ---------------------------------------------------------
     def reconfigure(self, user_config: dict | None) -> None:

@@ -10,7 +10,8 @@ from starlette.testclient import TestClient
 
 from deployments.config import DeploymentArgs, WarmupPlan
 from conftest import gpu
-from deployments.server import LLMServer, NotWarm
+from deployments.server import LLMServer, NotWarm, _start_trickle
+from weights import LoadOptions
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,6 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
     reading them one piece at a time; not on the CPU, not with load.trickle false, not
     when they are cached already."""
     import shutil
-    from types import SimpleNamespace
 
     from deployments.doctor import drop_page_cache
     from weights import readahead
@@ -67,18 +67,16 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
     if not readahead.is_cold(d):
         pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
 
-    def replica(**load) -> SimpleNamespace:
-        return SimpleNamespace(args=SimpleNamespace(load=load))
-    assert LLMServer._start_trickle(replica(), d, gpu=False) is False
-    assert LLMServer._start_trickle(replica(trickle=False), d, gpu=True) is False
-    assert LLMServer._start_trickle(replica(cold_direct_io=True), d, gpu=True) is False
+    assert _start_trickle(d, False, LoadOptions()) is False
+    assert _start_trickle(d, True, LoadOptions(trickle=False)) is False
+    assert _start_trickle(d, True, LoadOptions(cold_direct_io=True)) is False
     assert readahead.stop_trickle(d) is False  # none was started
-    assert LLMServer._start_trickle(replica(), d, gpu=True) is True
+    assert _start_trickle(d, True, LoadOptions()) is True
     helper = readahead.trickle(d)  # the one the replica started
     assert helper is not None and helper.wait(timeout=60) == 0
     readahead.stop_trickle(d)
     assert not readahead.is_cold(d)
-    assert LLMServer._start_trickle(replica(), d, gpu=True) is False  # cached now: nothing to trickle
+    assert _start_trickle(d, True, LoadOptions()) is False  # cached now: nothing to trickle
     assert readahead.stop_trickle(d) is False
 
 

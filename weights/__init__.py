@@ -9,7 +9,7 @@ Public API::
     prefetch(dest)                        read-ahead into the page cache, no torch import
     make_demo(dest, shape)                a random Llama checkpoint in HF format
 
-``weights.readahead`` and ``weights.format`` import no torch; the rest import it
+``weights.readahead``, ``weights.format`` and ``weights.options`` import no torch; the rest import it
 lazily through this package's attributes, so ``import weights`` stays cheap.
 """
 
@@ -22,7 +22,7 @@ _EXPORTS = {
     "pack": "packer", "PackOptions": "packer",
     "verify": "verifier", "VerifyReport": "verifier",
     "read_packed": "format", "PackedFile": "format", "PackedFormatError": "format",
-    "load": "loader", "LoadOptions": "loader", "LoadedModel": "loader",
+    "load": "loader", "LoadOptions": "options", "LoadedModel": "loader",
     "DeviceMemoryError": "loader",
     "prefetch": "readahead",
     "make_demo": "demo",
