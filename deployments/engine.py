@@ -347,7 +347,7 @@ class Engine:
 
         if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
             return 0
-        rt = CudaRT.find()
+        rt = CudaRT.shared()
         if rt is None:
             return 0
         stream = torch.cuda.current_stream(self.device).cuda_stream

@@ -226,6 +226,24 @@ def test_gpu_torch_copy_path_bit_exact(small_hf, tmp_path, monkeypatch):
         assert torch.equal(_bits(m.tensors[name]), _bits(t)), name
 
 
+def test_libcudart_is_bound_once_and_a_miss_is_not_kept(monkeypatch):
+    """The loader and the engine's graph upload share one binding; a lookup that found
+    nothing (before CUDA was initialised, say) is tried again by the next caller."""
+    from weights.cudart import CudaRT
+    found: list = [None]
+    calls = []
+
+    def find(cls):
+        calls.append(1)
+        return found[0]
+    monkeypatch.setattr(CudaRT, "_shared", None)
+    monkeypatch.setattr(CudaRT, "find", classmethod(find))
+    assert CudaRT.shared() is None and CudaRT.shared() is None and len(calls) == 2
+    found[0] = object.__new__(CudaRT)
+    assert CudaRT.shared() is found[0]
+    assert CudaRT.shared() is found[0] and len(calls) == 3
+
+
 @gpu
 def test_gpu_and_cpu_checksums_agree():
     data = torch.randint(0, 256, ((3 << 20) + 8192,), dtype=torch.uint8)

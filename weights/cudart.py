@@ -31,6 +31,8 @@ class CudaError(RuntimeError):
 class CudaRT:
     """Thin wrapper over a loaded libcudart; every call checks its return code."""
 
+    _shared: "CudaRT | None" = None
+
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.lib, self.path = lib, path
         c = ctypes
@@ -50,6 +52,15 @@ class CudaRT:
             f = getattr(lib, name)
             f.argtypes = args
             f.restype = c.c_char_p if name == "cudaGetErrorString" else c.c_int
+
+    @classmethod
+    def shared(cls) -> "CudaRT | None":
+        """``find()``'s answer, bound once per process and shared by its users (the loader's
+        copies, the engine's graph upload); a None is not kept, so a call before CUDA is
+        initialised does not hide the library from a later one."""
+        if cls._shared is None:
+            cls._shared = cls.find()
+        return cls._shared
 
     @classmethod
     def find(cls) -> "CudaRT | None":

@@ -305,7 +305,7 @@ def _cudart():
     """libcudart through ctypes (GIL-free copies), found once; None -> torch calls."""
     if not _RT:
         from .cudart import CudaRT
-        rt = CudaRT.find()
+        rt = CudaRT.shared()
         if rt is None:
             log.warning("libcudart not found in this process: loading through torch's copy calls, "
                         "which hold the GIL per piece (slower with many threads)")
