@@ -71,28 +71,57 @@ def ensure_demo(dest: Path = DEMO_DIR, shape: str = "tiny") -> Path:
     return dest
 
 
-def with_gpus(config_text: str, gpus: float) -> str:
-    """The serve config with ``num_gpus`` set for every deployment's replicas."""
+APP_IMPORT_PATH = "deployments.app:build_app"
+
+
+def derived_config(config_text: str, gpus: float | None = None, model: str | Path | None = None) -> str:
+    """The serve config with ``num_gpus`` set for every deployment's replicas (``gpus``) and
+    ``args.model`` set for every coldstart application (``model``); the rest as it was."""
     import yaml
-    cfg = yaml.safe_load(config_text)
-    for app in cfg.get("applications", []):
-        for dep in app.get("deployments", []):
-            # `ray_actor_options:` left empty in YAML is None: replace it, don't drop the setting
-            dep["ray_actor_options"] = {**(dep.get("ray_actor_options") or {}), "num_gpus": gpus}
+    cfg = yaml.safe_load(config_text) or {}
+    apps = cfg.get("applications") or []
+    if model is not None:
+        ours = [app for app in apps if app.get("import_path") == APP_IMPORT_PATH]
+        if not ours:
+            raise ValueError(f"the config has no application with import_path {APP_IMPORT_PATH}: "
+                             "nothing to point at the model")
+        for app in ours:
+            app["args"] = {**(app.get("args") or {}), "model": str(model)}
+    if gpus is not None:
+        for app in apps:
+            for dep in app.get("deployments") or []:
+                # `ray_actor_options:` left empty in YAML is None: replace it, don't drop the setting
+                dep["ray_actor_options"] = {**(dep.get("ray_actor_options") or {}), "num_gpus": gpus}
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
+def packed_model(path: str | Path) -> Path:
+    """``path`` as an absolute packed model directory, checked before Ray starts (its preamble and
+    index: a replica would fail on them later, after Ray's own start)."""
+    from weights.format import read_packed
+    p = Path(path).expanduser().resolve()
+    if not (p / "model.cst").is_file():
+        raise FileNotFoundError(f"{p}: no packed model here (model.cst missing); make one with "
+                                f"`coldstart pack HF_DIR {path}`")
+    read_packed(p)  # a PackedFormatError says what is wrong and what to do
+    return p
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
-    ensure_demo()
+    model = packed_model(a.model) if a.model else None
+    if model is None:
+        ensure_demo()
     serve = str(Path(sys.executable).with_name("serve"))
     if not Path(serve).exists():
         serve = shutil.which("serve") or serve
     config = a.config
-    if a.gpus is not None:
+    if a.gpus is not None or model is not None:
         # a derived copy: relative paths in it are taken from here (cwd), as the original's
         derived = Path(tempfile.gettempdir()) / f"coldstart-serve-{os.getpid()}.yaml"
-        derived.write_text(with_gpus(Path(a.config).read_text(), a.gpus))
-        print(f"{a.config} with num_gpus={a.gpus} per replica: {derived}", flush=True)
+        derived.write_text(derived_config(Path(a.config).read_text(), a.gpus, model))
+        changes = ", ".join(c for c in (a.gpus is not None and f"num_gpus={a.gpus} per replica",
+                                        model is not None and f"args.model={model}") if c)
+        print(f"{a.config} with {changes}: {derived}", flush=True)
         config = str(derived)
     cmd = [serve, "run", config, *a.serve_args]
     print("+ " + " ".join(cmd), flush=True)
@@ -128,9 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=_cmd_demo)
 
-    p = sub.add_parser("serve", help="make the demo model if absent, then `serve run` the config")
+    p = sub.add_parser("serve", help="`serve run` the config (making the demo model if it serves the demo)")
     p.add_argument("--gpus", type=float, default=None,
                    help="GPUs per replica (the default config asks for none: CPU)")
+    p.add_argument("--model", metavar="DIR",
+                   help="a packed model directory to serve instead of the config's args.model")
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)

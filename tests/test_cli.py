@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from deployments.cli import build_parser, with_gpus
+from deployments.cli import build_parser, derived_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +40,7 @@ def test_errors_are_one_line_with_exit_codes(tmp_path):
 
 def test_serve_gpus_sets_num_gpus_on_every_deployment():
     text = (ROOT / "serve_config.yaml").read_text()
-    cfg = yaml.safe_load(with_gpus(text, 1))
+    cfg = yaml.safe_load(derived_config(text, 1))
     deps = [d for app in cfg["applications"] for d in app["deployments"]]
     assert deps and all(d["ray_actor_options"]["num_gpus"] == 1 for d in deps)
     base = yaml.safe_load(text)
@@ -54,7 +56,9 @@ def test_serve_arguments():
     a = build_parser().parse_args(["serve", "--gpus", "1", "my.yaml"])
     assert (a.gpus, a.config) == (1.0, "my.yaml")
     a = build_parser().parse_args(["serve"])
-    assert (a.gpus, a.config) == (None, "serve_config.yaml")
+    assert (a.gpus, a.config, a.model) == (None, "serve_config.yaml", None)
+    a = build_parser().parse_args(["serve", "--model", "weights/x", "--gpus", "1"])
+    assert (a.gpus, a.model) == (1.0, "weights/x")
 
 
 def test_doctor_keeps_its_own_flags():
@@ -64,5 +68,34 @@ def test_doctor_keeps_its_own_flags():
 
 def test_serve_gpus_fills_an_empty_ray_actor_options():
     text = "applications:\n- name: a\n  deployments:\n  - name: d\n    ray_actor_options:\n"
-    cfg = yaml.safe_load(with_gpus(text, 1))
+    cfg = yaml.safe_load(derived_config(text, 1))
     assert cfg["applications"][0]["deployments"][0]["ray_actor_options"] == {"num_gpus": 1}
+
+
+def test_serve_model_points_every_coldstart_application_at_it():
+    text = (ROOT / "serve_config.yaml").read_text()
+    cfg = yaml.safe_load(derived_config(text, model="/models/my-llama"))
+    base = yaml.safe_load(text)
+    assert cfg["applications"][0]["args"]["model"] == "/models/my-llama"
+    base["applications"][0]["args"]["model"] = "/models/my-llama"
+    assert cfg == base  # nothing else changes, num_gpus neither
+    other = "applications:\n- name: a\n  import_path: other.app:build\n  args: {model: m}\n"
+    with pytest.raises(ValueError, match="no application with import_path deployments.app:build_app"):
+        derived_config(other, model="/models/my-llama")
+
+
+def test_serve_model_is_checked_before_ray_starts(tmp_path, tiny_packed):
+    """A missing or corrupt packed model is a one-line error at once, not a replica failing later."""
+    r = _cli("serve", "--model", str(tmp_path / "nothing"), cwd=tmp_path)
+    assert r.returncode == 2 and "model.cst missing" in r.stderr and "coldstart pack HF_DIR" in r.stderr
+    assert "Traceback" not in r.stderr and "serve run" not in r.stdout
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_packed, bad)
+    with open(bad / "model.cst", "r+b") as f:  # a flipped byte in the preamble
+        f.seek(20)
+        b = f.read(1)
+        f.seek(20)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = _cli("serve", "--model", str(bad), cwd=tmp_path)
+    assert r.returncode == 1 and str(bad) in r.stderr and "corrupt" in r.stderr, r.stderr
+    assert "serve run" not in r.stdout and not (tmp_path / "weights").exists()

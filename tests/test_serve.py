@@ -8,6 +8,7 @@ time and go to 127.0.0.1 only.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import shutil
 import signal
@@ -83,23 +84,44 @@ def _post(path: str, body: dict, timeout: float = 60) -> httpx.Response:
     return httpx.post(BASE + path, json=body, timeout=timeout)
 
 
-def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
-    """The README's main command, on its own Ray instance: `coldstart serve` -> `serve run`."""
+@contextlib.contextmanager
+def _coldstart_serve(tmp_path: Path, *args: str):
+    """`coldstart serve ARGS` from tmp_path (with the project's serve_config.yaml), on its own Ray
+    instance; stopped with Ctrl-C, as a user would, and Ray stopped after it."""
     shutil.copy(ROOT / "serve_config.yaml", tmp_path / "serve_config.yaml")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve"], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", *args], cwd=tmp_path, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        def up():
-            try:
-                r = _post("/generate", {"prompt": "The answer is ", "max_new_tokens": 128,
-                                        "temperature": 0}, timeout=30)
-                return r if r.status_code == 200 else None
-            except httpx.HTTPError:
-                return None
-        r = _wait(up, 240, "serve run to answer /generate", step=2)
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                       capture_output=True, timeout=120)
+
+
+def _answers_generate(timeout: float = 240) -> httpx.Response:
+    def up():
+        try:
+            r = _post("/generate", {"prompt": "The answer is ", "max_new_tokens": 128,
+                                    "temperature": 0}, timeout=30)
+            return r if r.status_code == 200 else None
+        except httpx.HTTPError:
+            return None
+    return _wait(up, timeout, "serve run to answer /generate", step=2)
+
+
+def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
+    """The README's main command, on its own Ray instance: `coldstart serve` -> `serve run`."""
+    with _coldstart_serve(tmp_path):
+        r = _answers_generate()
         assert (tmp_path / "weights" / "demo" / "model.cst").is_file()  # made on first run
         assert r.json()["usage"]["completion_tokens"] >= 1
 
@@ -122,15 +144,19 @@ def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
         # a bad request through Ray's proxy is still a 4xx with a message
         bad = _post("/generate", {"prompt": "", "max_new_tokens": 3})
         assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-                       capture_output=True, timeout=120)
+
+
+def test_coldstart_serve_model_serves_that_packed_model(tmp_path, tiny_packed):
+    """`coldstart serve --model DIR`: the config's application serves DIR (named after it), and
+    no demo model is made."""
+    model = tmp_path / "models" / "my-llama"
+    shutil.copytree(tiny_packed, model)
+    run = tmp_path / "run"
+    run.mkdir()
+    with _coldstart_serve(run, "--model", str(model)):
+        assert _answers_generate().json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(BASE + "/v1/models", timeout=30).json()["data"][0]["id"] == "my-llama"
+        assert not (run / "weights").exists()
 
 
 def test_autoscaling_up_under_load_never_routes_to_a_warming_replica_and_back(ray_instance,
