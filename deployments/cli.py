@@ -97,13 +97,11 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
 
 def packed_model(path: str | Path) -> Path:
     """``path`` as an absolute packed model directory, checked before Ray starts (its preamble and
-    index: a replica would fail on them later, after Ray's own start)."""
+    index: a replica would fail on them later, after Ray's own start). A missing file or a
+    PackedFormatError says what is wrong and what to do."""
     from weights.format import read_packed
     p = Path(path).expanduser().resolve()
-    if not (p / "model.cst").is_file():
-        raise FileNotFoundError(f"{p}: no packed model here (model.cst missing); make one with "
-                                f"`coldstart pack HF_DIR {path}`")
-    read_packed(p)  # a PackedFormatError says what is wrong and what to do
+    read_packed(p)
     return p
 
 

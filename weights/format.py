@@ -204,10 +204,11 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     if sys.byteorder != "little":
         raise PackedFormatError("packed weight files are little-endian; this host is big-endian")
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() or (p.name != WEIGHTS_FILE and not p.exists()):  # a packed directory, made or not
         p = p / WEIGHTS_FILE
     if not p.exists():
-        raise FileNotFoundError(f"{p}: no packed weight file; make one with `coldstart pack SRC DEST`")
+        raise FileNotFoundError(f"{p}: no packed weight file ({p.name} missing); make one with "
+                                f"`coldstart pack HF_DIR {p.parent}`")
     size = p.stat().st_size
     with open(p, "rb") as f:
         pre = f.read(PREAMBLE_BYTES)
