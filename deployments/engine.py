@@ -281,7 +281,14 @@ class Engine:
         In this thread, because that first-time cost is paid per thread (torch's cuBLAS handles
         are): run on another thread, a 64-token prompt still took 59 ms to its first token
         instead of 13 (bench/results/runs/first-prefill-per-thread.json). Only the shapes
-        matter, so this may run while the weights are still loading."""
+        matter, so this may run while the weights are still loading.
+
+        What start ran wrote keys and values computed from such weights: these prefills into
+        slots 0 and 1, the graphs' first launches a padding row into every slot. A masked key
+        still multiplies its value (0 * NaN = NaN), so one non-finite value left there would
+        poison every later request in its slot (a cold replica, whose weights' bytes arrive
+        only after its build, decoded token 0 forever). So the whole cache is zeroed after
+        them: a memset of each layer's tensors, about 10 ms of device time for 32 GiB."""
         t0 = time.perf_counter()
         each: dict[int | str, float] = {}
 
@@ -301,6 +308,8 @@ class Engine:
             # gather and its head's one shape
             timed("2x16", lambda: self.model.prefill_batch(zeros(2, 16), self.cache, [0, 1], [16, 16],
                                                            logit_rows=self._logit_rows))
+        if self._prefill_lengths or self._graphs:
+            self.cache.zero_()
         self._stats["first_prefill_s"] = time.perf_counter() - t0
         self._stats["first_prefill_ms"] = each  # per length: what the first one pays for the thread
 

@@ -65,6 +65,11 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
 
+    def zero_(self) -> None:
+        """Every position back to zero (one memset per tensor, queued on the current stream)."""
+        for t in self.k + self.v:
+            t.zero_()
+
     @staticmethod
     def bytes_needed(cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -426,6 +426,31 @@ def test_start_runs_every_prefill_length_once():
         eng.shutdown()
 
 
+def test_start_over_weights_still_loading_leaves_no_trace():
+    """A replica builds and starts its engine while the weights' bytes arrive (on a cold page
+    cache, before any has): start's first prefills then run over garbage, here NaN. Once the
+    real bytes are in place, every request, alone or batched, gets what an engine started
+    over loaded weights gives."""
+    hf, config = hf_model("llama")
+    real = state_tensors(hf)
+    buffer = {k: torch.full_like(v, float("nan")) for k, v in real.items()}  # bytes not arrived yet
+    model = build_model(config, buffer)
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=64, prefill_chunk=32))
+    try:
+        eng.start()
+        assert eng.prefill_lengths() == (16, 32)  # start prefilled slots 0 and 1 over the NaNs
+        for k, v in real.items():  # the load ends: the bytes land in the tensors the model views
+            buffer[k].copy_(v)
+        model.weights_loaded()
+        params = SamplingParams(max_new_tokens=8, **GREEDY)
+        want = [hf_greedy(hf, p, 8) for p in PROMPTS[:4]]
+        assert [eng.generate(p, params)[0] for p in PROMPTS[:4]] == want
+        handles = [eng.submit(p, params) for p in PROMPTS[:4]]  # slots 0..3 decoding together
+        assert [h.result(timeout=60)[0] for h in handles] == want
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 6}),
                                       ("qwen2", {"tie_word_embeddings": True})])
 def test_prefill_batch_equals_one_prompt_at_a_time(arch, kw):
