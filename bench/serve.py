@@ -21,6 +21,8 @@ replica, so the worker's process start and every import inside it count.
 Each kind runs with a warm page cache (its files read just before) and a cold
 one (echo 3 > /proc/sys/vm/drop_caches first); minimal and coldstart are
 deployed `--repeat` times per cache (3), interleaved, and the median counts.
+Every coldstart start is asked the same greedy question; the report says whether
+all of them gave the same tokens (a start that serves wrong ones does not count).
 `--kinds` and `--caches` pick some of them; `--merge WORK/serve-partial.json`
 adds them to an earlier run on the same machine (the naive path takes minutes
 per start: `bash bench/gpu.sh OUT serve naive-warm naive-cold`);
@@ -158,6 +160,9 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     res = {"deploy_to_warm_s": warm, "deploy_to_running_s": t_running, "deploy_to_first_200_s": t_200,
            "process_to_warm_s": None if born is None else info["warm_at"] - max(born, deployed_at),
            "phases": phases, "detail": info.get("startup_phases_s")}
+    body_out = r.json() if name.startswith("coldstart") else None
+    if body_out is not None:  # ours: what the replica answered (bench checks they agree)
+        res["answer"] = body_out["token_ids"]
     # what the replica did not time itself: Ray scheduling, the worker's start
     res["phases"]["ray_and_process"] = max(0.0, warm - sum(phases.values()))
     print(f"  {name:22s} warm after {warm:6.2f} s, RUNNING after {t_running:6.2f} s, "
@@ -247,6 +252,10 @@ def goal_lines(s: dict) -> list[str]:
         lines.append(f"- cold: coldstart {c:.2f} s vs minimal + the disk's time for the weights "
                      f"({s['disk_read_s']:.2f} s at {s['disk_GBps']:.2f} GB/s) = {g:.2f} s: "
                      f"{'met' if c <= g else 'not met'}")
+    if "answers_agree" in s:
+        lines.append(f"- every coldstart replica of the run ({s['answers']} starts) gave the same "
+                     "greedy answer: " + ("yes" if s["answers_agree"] else
+                                          "NO: a replica served wrong tokens, and its time does not count"))
     return lines
 
 
@@ -339,6 +348,10 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         if "coldstart" in r and "transformers" in r:
             summary[f"coldstart_over_transformers_{cache}"] = (
                 r["coldstart"]["deploy_to_warm_s"] / r["transformers"]["deploy_to_warm_s"])
+    answers = [a["token_ids"] for a in res.get("answers", [])]
+    if answers:  # greedy, one prompt, one checkpoint: every start must answer alike
+        summary["answers"] = len(answers)
+        summary["answers_agree"] = all(a == answers[0] for a in answers)
     summary["command"] = command
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,7 +373,7 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         for k, ts in res.get(f"{cache}_runs_s", {}).items():
             md.append(f"{k}, {cache} cache: {len(ts)} deploys, {', '.join(f'{t:.2f}' for t in ts)} s; the median counts.")
     md += [""] + goal_lines(summary)
-    md += ["", json.dumps({k: round(v, 3) for k, v in summary.items() if k != "command"}), "",
+    md += ["", json.dumps({k: v if isinstance(v, bool) else round(v, 3) for k, v in summary.items() if k != "command"}), "",
            f"Command: `{command}`", ""]
     (out / "serve.md").write_text("\n".join(md))
     print("\n".join(md))
@@ -465,6 +478,9 @@ def main() -> None:
                 else:
                     drop_caches()
                 runs.setdefault(kind, []).append(run(cache))
+                if "answer" in runs[kind][-1]:
+                    res.setdefault("answers", []).append({"kind": kind, "cache": cache,
+                                                          "token_ids": runs[kind][-1]["answer"]})
                 res[cache][kind] = median_run(runs[kind])
                 if len(runs[kind]) > 1:
                     res.setdefault(f"{cache}_runs_s", {})[kind] = [r["deploy_to_warm_s"] for r in runs[kind]]

@@ -113,3 +113,26 @@ def test_a_run_from_another_run_is_marked(partial, tmp_path, monkeypatch):
     report = (docs / "coldstart-report.md").read_text()
     assert "| naive * | warm | 280.00 |" in report and "naive, warm cache: from another run (yesterday's run)" in report
     assert "| coldstart | warm | 10.00 |" in report  # the others unmarked
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_every_coldstart_start_must_give_the_same_answer(partial, tmp_path, monkeypatch, agree):
+    """A replica that serves wrong tokens (a cold one decoding garbage, say) is flagged, so
+    that its start time is not taken for a result."""
+    from bench import serve as bench_serve
+
+    res = json.loads(partial.read_text())
+    good = [306, 1234, 29889]
+    res["answers"] = [{"kind": "coldstart", "cache": c, "token_ids": good} for c in ("warm", "warm", "cold")]
+    if not agree:
+        res["answers"][2]["token_ids"] = [306, 0, 0]
+    partial.write_text(json.dumps(res))
+    out = tmp_path / "results"
+    monkeypatch.setattr(sys, "argv", ["serve.py", "--from-partial", str(partial), "--out", str(out)])
+    bench_serve.main()
+    s = json.loads((out / "serve.json").read_text())
+    assert s["answers"] == 3 and s["answers_agree"] is agree
+    md = (out / "serve.md").read_text()
+    line = "- every coldstart replica of the run (3 starts) gave the same greedy answer: "
+    assert line + ("yes" if agree else "NO: a replica served wrong tokens") in md
+    assert f'"answers_agree": {str(agree).lower()}' in md
