@@ -286,8 +286,9 @@ class Engine:
         What start ran wrote keys and values computed from such weights: these prefills into
         slots 0 and 1, the graphs' first launches a padding row into every slot. A masked key
         still multiplies its value (0 * NaN = NaN), so one non-finite value left there would
-        poison every later request in its slot (a cold replica, whose weights' bytes arrive
-        only after its build, decoded token 0 forever). So the whole cache is zeroed after
+        poison every later request in its slot (in a GPU test, a cold replica, whose weights'
+        bytes arrive only after its build, over a buffer that held freed memory, decoded token 0
+        after its first). So the whole cache is zeroed after
         them: a memset of each layer's tensors, queued on the device (32 GiB at the HBM's write rate
         is some 10 ms; not timed on its own)."""
         t0 = time.perf_counter()
