@@ -149,8 +149,8 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     r = httpx.post(url, json=body, timeout=300) if body is not None else httpx.get(url, timeout=300)
     t_200 = time.perf_counter() - t0
     r.raise_for_status()
-    info = (httpx.get(f"{BASE}/{name}/stats", timeout=30).json() if name.startswith("coldstart")
-            else r.json())
+    ours = name.startswith("coldstart")
+    info = httpx.get(f"{BASE}/{name}/stats", timeout=30).json() if ours else r.json()
     serve.delete(name)
     phases = info.get("phases") or _ours_phases(info["startup_phases_s"])
     # deploy -> warm from the replica's own clock (same host): precise, where the polled
@@ -160,9 +160,8 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     res = {"deploy_to_warm_s": warm, "deploy_to_running_s": t_running, "deploy_to_first_200_s": t_200,
            "process_to_warm_s": None if born is None else info["warm_at"] - max(born, deployed_at),
            "phases": phases, "detail": info.get("startup_phases_s")}
-    body_out = r.json() if name.startswith("coldstart") else None
-    if body_out is not None:  # ours: what the replica answered (bench checks they agree)
-        res["answer"] = body_out["token_ids"]
+    if ours:  # what the replica answered (the report checks that every start agrees)
+        res["answer"] = r.json()["token_ids"]
     # what the replica did not time itself: Ray scheduling, the worker's start
     res["phases"]["ray_and_process"] = max(0.0, warm - sum(phases.values()))
     print(f"  {name:22s} warm after {warm:6.2f} s, RUNNING after {t_running:6.2f} s, "

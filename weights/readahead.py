@@ -37,6 +37,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .format import WEIGHTS_FILE
+
 log = logging.getLogger(__name__)
 
 PIECE = 128 << 10  # read_ahead_kb's usual default: every call of this size is read whole
@@ -83,7 +85,7 @@ def _weight_file(path: str | os.PathLike) -> Path | None:
     platform has no ``posix_fadvise``."""
     p = Path(path)
     if p.is_dir():
-        p = p / "model.cst"
+        p = p / WEIGHTS_FILE
     return p if p.is_file() and hasattr(os, "posix_fadvise") else None
 
 
