@@ -70,6 +70,7 @@ def _dev() -> str:
 @serve.deployment
 class Minimal:
     def __init__(self):
+        self.constructor_started_at = time.time()
         t0 = time.perf_counter()
         import torch
         t1 = time.perf_counter()
@@ -80,6 +81,7 @@ class Minimal:
     async def __call__(self, request: Request):
         from deployments.runtime import process_start_time
         return JSONResponse({"phases": self.phases, "warm_at": self.warm_at,
+                             "constructor_started_at": self.constructor_started_at,
                              "process_started_at": process_start_time()})
 
 
@@ -162,10 +164,17 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
            "phases": phases, "detail": info.get("startup_phases_s")}
     if ours:  # what the replica answered (the report checks that every start agrees)
         res["answer"] = r.json()["token_ids"]
+        res["engine"] = info.get("engine")  # its start's graphs, first launches and first prefills
     # what the replica did not time itself: Ray scheduling, the worker's start
     res["phases"]["ray_and_process"] = max(0.0, warm - sum(phases.values()))
+    # and of that, the part before the constructor began, split where the replica's process
+    # first imported the project (coldstart only: unpickling the deployment's class)
+    if info.get("constructor_started_at"):
+        res["to_constructor_s"] = info["constructor_started_at"] - deployed_at
+        if info.get("imported_at"):
+            res["to_project_import_s"] = info["imported_at"] - deployed_at
     print(f"  {name:22s} warm after {warm:6.2f} s, RUNNING after {t_running:6.2f} s, "
-          f"first 200 after {t_200:6.2f} s  "
+          f"first 200 after {t_200:6.2f} s, constructor after {res.get('to_constructor_s', float('nan')):5.2f} s  "
           f"phases {json.dumps({k: round(v, 3) for k, v in res['phases'].items()})}", flush=True)
     return res
 

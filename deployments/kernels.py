@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -670,6 +671,24 @@ def _rand(dtype: torch.dtype, device: torch.device | str) -> Callable[..., torch
     return lambda *shape: torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(dtype)
 
 
+def _timing(times: dict[str, float] | None, device: torch.device | str) -> Callable[..., Any]:
+    """``timed(key, fn, *args)``: ``fn(*args)``, and where ``times`` is a dict, its seconds up to
+    the device's completion added to ``times[key]`` (the self-tests' split: Triton's first
+    launches against the torch references')."""
+    cuda = torch.device(device).type == "cuda"  # (the Triton interpreter runs on the CPU)
+
+    def timed(key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if times is None:
+            return fn(*args)
+        t = time.perf_counter()
+        out = fn(*args)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times[key] = times.get(key, 0.0) + time.perf_counter() - t
+        return out
+    return timed
+
+
 def _compare(cases: Callable[[], Iterator[tuple[str, torch.Tensor, torch.Tensor]]], dtype: torch.dtype) -> str | None:
     """Run ``(name, kernel result, torch reference)`` cases; why one failed or disagreed, else None."""
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
@@ -684,43 +703,50 @@ def _compare(cases: Callable[[], Iterator[tuple[str, torch.Tensor, torch.Tensor]
 
 
 def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str) -> str | None:
+              device: torch.device | str, times: dict[str, float] | None = None) -> str | None:
     """Run each kernel once at a model's sizes and compare it with the torch reference.
 
     The first launch compiles a kernel (or takes it from Triton's cache), so this
     is where a missing C compiler or a broken Triton shows up: the caller then
     decodes with torch kernels instead of failing. One-row inputs with the real
     widths hit the same compiled specialisations as a batch-1 decode step.
-    Returns why the kernels are not usable, or None when they are.
+    Returns why the kernels are not usable, or None when they are. ``times`` (a dict): seconds
+    added under "wait" (for Triton's head start), "triton" (the kernels) and "torch" (the
+    references), each up to the device's completion.
     """
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
-    head_start.wait()  # Triton's per-process set-up, begun on a side thread at the replica's start
+    timed = _timing(times, device)
+    timed("wait", head_start.wait)  # Triton's per-process set-up, begun on a side thread at the replica's start
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         rnd = _rand(dtype, device)
         x, r, w = rnd(1, hidden), rnd(1, hidden), rnd(hidden)
-        yield "add_rms_norm", add_rms_norm(x, r, w, 1e-5)[0], _ref_add_rms_norm(x, r, w, 1e-5)[0]
+        yield ("add_rms_norm", timed("triton", add_rms_norm, x, r, w, 1e-5)[0],
+               timed("torch", _ref_add_rms_norm, x, r, w, 1e-5)[0])
         gu = rnd(1, 2 * intermediate)
-        yield "silu_mul", silu_mul(gu), _ref_silu_mul(gu)
+        yield "silu_mul", timed("triton", silu_mul, gu), timed("torch", _ref_silu_mul, gu)
         qkv, cos, sin = rnd(1, (n_heads + 2 * n_kv) * head_dim), rnd(1, head_dim), rnd(1, head_dim)
         # T=16: the divisibility of a real cache length, so the compiled kernel is the one decode uses
         caches = [torch.zeros(1, n_kv, 16, head_dim, device=device, dtype=dtype) for _ in range(4)]
         pos = torch.tensor([5], device=device)
-        yield ("rope_store_kv", rope_store_kv(qkv, cos, sin, caches[0], caches[1], pos, n_heads, n_kv, head_dim),
-               _ref_rope_store_kv(qkv, cos, sin, caches[2], caches[3], pos, n_heads, n_kv, head_dim))
+        yield ("rope_store_kv",
+               timed("triton", rope_store_kv, qkv, cos, sin, caches[0], caches[1], pos, n_heads, n_kv, head_dim),
+               timed("torch", _ref_rope_store_kv, qkv, cos, sin, caches[2], caches[3], pos, n_heads, n_kv,
+                     head_dim))
         yield "kv_cache", torch.cat(caches[:2]), torch.cat(caches[2:])
 
     return _compare(cases, dtype)
 
 
 def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
-                        device: torch.device | str) -> str | None:
+                        device: torch.device | str, times: dict[str, float] | None = None) -> str | None:
     """As `self_test`, for `decode_attention` at a model's head sizes; None when usable."""
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
+    timed = _timing(times, device)
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         # One row over 512 keys, as a batch-1 decode step reads them (a key bucket of 512 in a
@@ -730,7 +756,7 @@ def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dty
         q, kc, vc = rnd(1, n_heads, head_dim), rnd(1, n_kv, 1024, head_dim), rnd(1, n_kv, 1024, head_dim)
         pos = torch.tensor([300], device=device)
         for window in (0, 64):
-            yield ("decode_attention", decode_attention(q, kc, vc, pos, 512, window, head_dim**-0.5),
-                   _ref_decode_attention(q, kc, vc, pos, 512, window, head_dim**-0.5))
+            yield ("decode_attention", timed("triton", decode_attention, q, kc, vc, pos, 512, window, head_dim**-0.5),
+                   timed("torch", _ref_decode_attention, q, kc, vc, pos, 512, window, head_dim**-0.5))
 
     return _compare(cases, dtype)

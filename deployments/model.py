@@ -534,8 +534,10 @@ def _kernels_usable(model: Transformer) -> bool:
         log.warning("fused Triton kernels off: the checkpoint mixes dtypes")
         return False
     c = model.config
+    times: dict[str, float] = {}
     why = kernels.self_test(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                            c.head_dim, model.dtype, model.device)
+                            c.head_dim, model.dtype, model.device, times)
+    model.build_s.update({f"kernel_test_{k}": v for k, v in times.items()})
     if why:
         log.warning("fused Triton kernels off (%s): decoding with torch kernels", why)
     return why is None
@@ -560,8 +562,10 @@ def _attention_kernel_wanted(model: Transformer) -> bool:
     if mode == "torch":
         return False
     c = model.config
+    times: dict[str, float] = {}
     why = kernels.attention_self_test(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype,
-                                      model.device)
+                                      model.device, times)
+    model.build_s.update({f"attention_test_{k}": v for k, v in times.items()})
     if why:
         log.warning("Triton decode attention off (%s): using batched matmuls", why)
     return why is None

@@ -47,13 +47,16 @@ class NotWarm(RuntimeError):
     pass
 
 
-def import_engine(device: str) -> None:
+def import_engine(device: str, timer: PhaseTimer | None = None) -> None:
     """A replica's imports once its trickle is started (the rest of its "imports" phase, which
     bench/cold_import.py times in a fresh process): Triton's import and per-process set-up on a
-    side thread (``head_start``) while this one imports torch and the engine's modules."""
+    side thread (``head_start``) while this one imports torch and the engine's modules.
+    ``timer`` gets phase ``imports_torch``: of them, ``import torch`` (what the minimal replica
+    of bench/serve.py pays too)."""
     from deployments import head_start
     head_start.start(device)
-    import torch  # noqa: F401  (the cost is what the phase measures)
+    with timer.phase("imports_torch") if timer else contextlib.nullcontext():
+        import torch  # noqa: F401  (the cost is what the phase measures)
 
     import deployments.engine  # noqa: F401
     import deployments.model  # noqa: F401
@@ -111,7 +114,7 @@ class LLMServer:
         with timer.phase("imports"):
             from deployments import head_start
             trickling = _start_trickle(path, head_start.gpu_expected(self.args.device), opts)
-            import_engine(self.args.device)
+            import_engine(self.args.device, timer)
         from deployments.engine import EngineConfig
         from deployments.model import NATIVE_ARCHITECTURES, architecture
         from deployments.runtime import check_env, choose_device, create_context
@@ -415,9 +418,10 @@ class LLMServer:
         return JSONResponse({"injected": kind, "replica": self.replica_id})
 
     async def _stats(self, request: Request) -> Response:
+        from deployments import IMPORTED_AT
         from deployments.runtime import process_start_time
         return JSONResponse({"warm": self.warm, "replica": self.replica_id,
-                             "process_started_at": process_start_time(),
+                             "process_started_at": process_start_time(), "imported_at": IMPORTED_AT,
                              "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})

@@ -542,8 +542,12 @@ def test_gpu_gemv_choice_never_reads_the_weights(monkeypatch):
 def test_gpu_self_tests_pass_at_7b_sizes(monkeypatch):
     _use_triton(monkeypatch)
     dims = (4096, 11008, 32, 32, 128)
-    assert kernels.self_test(*dims, torch.float16, "cuda") is None
-    assert kernels.attention_self_test(*dims[2:], torch.float16, "cuda") is None
+    times: dict[str, float] = {}
+    assert kernels.self_test(*dims, torch.float16, "cuda", times) is None
+    assert set(times) == {"wait", "triton", "torch"} and min(times["triton"], times["torch"]) > 0, times
+    times.clear()
+    assert kernels.attention_self_test(*dims[2:], torch.float16, "cuda", times) is None
+    assert set(times) == {"triton", "torch"} and min(times.values()) > 0, times
 
 
 def test_self_test_says_why_without_cuda():
