@@ -210,7 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
                                      "capture_s": round(st["capture_s"], 3),
                                      "capture_warmup_s": round(res["capture_warmup_s"], 3),
                                      "plan_warmup_s": plan,
-                                     "graphs": st["graphs"]}), flush=True)
+                                     "graphs": st["graphs"],
+                                     "build_steps_s": {k: round(v, 3) for k, v in res.get("build_steps_s", {}).items()},
+                                     "first_prefill_ms": st.get("first_prefill_ms")}), flush=True)
         return res
 
     times, ttfts, decodes, queues, allocs = [], [], [], [], []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-cold naive-warm naive-cold scaleup
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-cold naive-warm naive-cold scaleup startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -54,6 +54,19 @@ for stage in "$@"; do
              OMP_NUM_THREADS=1 python3 $a 2>&1 | grep START
              TRITON_CACHE_DIR=$(mktemp -d) python3 $a 2>&1 | grep START ;;
     scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
+    startsplit) # where coldstart's warm start goes beyond the minimal replica's: the imports'
+             # source compiles (twice: whether the first run's .pyc files are found), the engine's
+             # start outside Ray, then in Ray beside the minimal replica with one part left out at a time
+             python3 bench/import_compile.py --out "$out/import-compile-1.json" | head -40
+             python3 bench/import_compile.py --out "$out/import-compile-2.json" | grep -E "compiled|import_"
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --start-only --no-hf 2>&1 | grep START
+             python3 bench/serve.py --out "$out" --kinds minimal,coldstart --caches warm \
+               --variant notriton='{"env": {"COLDSTART_TRITON": "0"}}' \
+               --variant nopad='{"engine": {"prefill_padding": false}}' \
+               --variant onegraph='{"engine": {"graph_batch_sizes": [16], "kv_len_buckets": [4096]}}' \
+               --variant pyc='{"env": {"PYTHONPYCACHEPREFIX": "/tmp/coldstart-pyc", "PYTHONDONTWRITEBYTECODE": ""}}' \
+               > "$out/serve-split.log" 2>&1; r=$?
+             grep -E "warm after|^- " "$out/serve-split.log"; (exit $r) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }

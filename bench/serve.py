@@ -356,7 +356,9 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         if "coldstart" in r and "transformers" in r:
             summary[f"coldstart_over_transformers_{cache}"] = (
                 r["coldstart"]["deploy_to_warm_s"] / r["transformers"]["deploy_to_warm_s"])
-    answers = [a["token_ids"] for a in res.get("answers", [])]
+    # a variant (--variant) may compute otherwise (torch kernels instead of Triton's): only the
+    # default replica's starts are held to one answer
+    answers = [a["token_ids"] for a in res.get("answers", []) if a["kind"] == "coldstart"]
     if answers:  # greedy, one prompt, one checkpoint: every start must answer alike
         summary["answers"] = len(answers)
         summary["answers_agree"] = all(a == answers[0] for a in answers)
@@ -412,6 +414,10 @@ def main() -> None:
     ap.add_argument("--caches", type=lambda v: [c for c in v.split(",") if c], default=["warm", "cold"],
                     help="which page-cache states to measure (warm,cold); the naive path's minutes-long "
                          "starts fit one device call each: --kinds naive --caches cold")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help='also deploy coldstart with other settings, as kind coldstart-NAME (repeated like '
+                         'coldstart): JSON {"engine": {...}, "load": {...}, "env": {VAR: value}}, e.g. '
+                         'notriton=\'{"env": {"COLDSTART_TRITON": "0"}}\'; what each start step costs, in Ray')
     ap.add_argument("--scale-up-only", action="store_true", help="only the scale-up figure (2 GPUs)")
     ap.add_argument("--scale-up", action="store_true",
                     help="also time a 1 -> 2 replica scale-up under load (needs 2 GPUs)")
@@ -440,17 +446,31 @@ def main() -> None:
     # a throwaway deploy, so every measured one finds Serve's proxy and controller up
     measure("prime", minimal.bind(), "", {})
 
-    def ours(tag: str) -> dict:
-        dep = LLMDeployment.options(ray_actor_options=gpus,
-                                    user_config=WARMUP)
+    def ours(tag: str, variant: dict | None = None) -> dict:
+        v = variant or {}
+        env = v.get("env") or {}
+        opts = {**gpus, "runtime_env": {"env_vars": {**ENV, **env}}} if env else gpus
+        dep = LLMDeployment.options(ray_actor_options=opts, user_config=WARMUP)
         app = dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu",
-                       engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024})
-        return measure(f"coldstart-{tag}", app, "/generate",
-                       {"prompt": "The answer is ", "max_new_tokens": 16, "temperature": 0})
+                       engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024,
+                               **(v.get("engine") or {})},
+                       load=v.get("load") or {})
+        return measure(f"coldstart-{tag}" if variant is None else f"coldstart-{tag}-{v['name']}", app,
+                       "/generate", {"prompt": "The answer is ", "max_new_tokens": 16, "temperature": 0})
 
     kinds = {"minimal": lambda tag: measure(f"minimal-{tag}", minimal.bind(), "", {}),
              "coldstart": ours,
              "transformers": lambda tag: measure(f"transformers-{tag}", hf_rep.bind(str(hf)), "", {})}
+    for spec in a.variant:
+        name, _, js = spec.partition("=")
+        try:
+            v = json.loads(js)
+            assert name.isidentifier() and isinstance(v, dict) and set(v) <= {"engine", "load", "env"}
+            assert all(isinstance(x, str) for x in (v.get("env") or {}).values())
+        except (ValueError, AssertionError):
+            ap.error(f"--variant {spec!r}: want NAME=JSON, JSON an object with engine, load and env "
+                     "(env values strings)")
+        kinds[f"coldstart-{name}"] = lambda tag, v={**v, "name": name}: ours(tag, v)
     if a.scale_up_only:  # the 1 -> 2 replica figure alone
         kinds, a.scale_up, a.skip_cold = {}, True, True
     if a.naive:
@@ -463,7 +483,7 @@ def main() -> None:
         unknown = set(a.kinds) - set(kinds)
         if unknown:
             ap.error(f"--kinds: unknown {sorted(unknown)} (known: {', '.join(kinds)}; naive needs --naive)")
-        kinds = {k: v for k, v in kinds.items() if k in a.kinds}
+        kinds = {k: v for k, v in kinds.items() if k in a.kinds or k.startswith("coldstart-")}  # (variants asked for)
     res: dict = {"warm": {}, "cold": {}}
     command = "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])
     if a.merge:  # an earlier run on this machine (its disk figure and command stay with it)
@@ -478,7 +498,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {}
         for rep in range(a.repeat):  # interleaved, so that a slow minute of the host hits every kind
             for kind, run in kinds.items():
-                if rep and kind not in REPEATED:
+                if rep and kind not in REPEATED and not kind.startswith("coldstart-"):
                     continue
                 if cache == "warm":
                     warm_cache(packed)  # warm means the weights are in the page cache
