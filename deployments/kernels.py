@@ -702,8 +702,32 @@ def _compare(cases: Callable[[], Iterator[tuple[str, torch.Tensor, torch.Tensor]
     return None
 
 
+def _selftest_path(judged: list, device: torch.device | str, keep: Path | None) -> Path | None:
+    """Where a self-test's pass is kept: only for a CUDA device (the Triton interpreter's
+    runs on the CPU are never kept)."""
+    device = torch.device(device)
+    return None if keep is None or device.type != "cuda" else verdict_path("selftest", judged, device, keep)
+
+
+def kept_test(path: Path | None, run: Callable[[], str | None]) -> str | None:
+    """``run()``, a self-test (why the kernels are not usable, or None), unless a start before
+    this one passed the same test on this node: its verdict, kept at ``path`` (``verdict_path``:
+    same GPU model, torch, CUDA, Triton and kernel code), says so. A pass is kept; a failure
+    never is (the next start tests again). A torn or foreign file is tested again and rewritten."""
+    if path is not None:
+        doc = _read_verdict(path)
+        if doc is not None and doc.get("passed") is True:
+            log.info("kernel self-test passed on this node before (%s): not run again", path.name)
+            return None
+    why = run()
+    if why is None and path is not None:
+        _write_verdict(path, {"passed": True})
+    return why
+
+
 def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
-              device: torch.device | str, times: dict[str, float] | None = None) -> str | None:
+              device: torch.device | str, times: dict[str, float] | None = None,
+              keep: Path | None = None) -> str | None:
     """Run each kernel once at a model's sizes and compare it with the torch reference.
 
     The first launch compiles a kernel (or takes it from Triton's cache), so this
@@ -712,12 +736,17 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
     widths hit the same compiled specialisations as a batch-1 decode step.
     Returns why the kernels are not usable, or None when they are. ``times`` (a dict): seconds
     added under "wait" (for Triton's head start), "triton" (the kernels) and "torch" (the
-    references), each up to the device's completion.
+    references), each up to the device's completion. ``keep``: a directory (``verdict_dir()``)
+    where a pass is kept, so that the next start on this node with the same GPU and software
+    skips the comparison (``kept_test``: 0.3-0.4 s of a 7B replica's start on an H200, most of
+    it the torch references' first launches); its kernels are then loaded by their first use.
     """
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
     timed = _timing(times, device)
     timed("wait", head_start.wait)  # Triton's per-process set-up, begun on a side thread at the replica's start
+    judged = ["kernels", hidden, intermediate, n_heads, n_kv, head_dim, str(dtype)]
+    path = _selftest_path(judged, device, keep)
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         rnd = _rand(dtype, device)
@@ -736,17 +765,20 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
                      head_dim))
         yield "kv_cache", torch.cat(caches[:2]), torch.cat(caches[2:])
 
-    return _compare(cases, dtype)
+    return kept_test(path, lambda: _compare(cases, dtype))
 
 
 def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,
-                        device: torch.device | str, times: dict[str, float] | None = None) -> str | None:
+                        device: torch.device | str, times: dict[str, float] | None = None,
+                        keep: Path | None = None) -> str | None:
     """As `self_test`, for `decode_attention` at a model's head sizes; None when usable."""
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two >= 16"
     timed = _timing(times, device)
+    judged = ["attention", n_heads, n_kv, head_dim, str(dtype)]
+    path = _selftest_path(judged, device, keep)
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         # One row over 512 keys, as a batch-1 decode step reads them (a key bucket of 512 in a
@@ -759,4 +791,4 @@ def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dty
             yield ("decode_attention", timed("triton", decode_attention, q, kc, vc, pos, 512, window, head_dim**-0.5),
                    timed("torch", _ref_decode_attention, q, kc, vc, pos, 512, window, head_dim**-0.5))
 
-    return _compare(cases, dtype)
+    return kept_test(path, lambda: _compare(cases, dtype))

@@ -527,7 +527,8 @@ def fuse_projections(model: Transformer) -> int:
 
 def _kernels_usable(model: Transformer) -> bool:
     """Whether the fused Triton kernels may run this model (CUDA, one dtype, and a
-    launch at its sizes that compiled and matched torch)."""
+    launch at its sizes that compiled and matched torch, in this start or, as its kept
+    verdict says, in an earlier one on this node with the same GPU and software)."""
     if not kernels.available(model.device):
         return False
     if any(t.dtype != model.dtype for t in model.parameters()):
@@ -536,7 +537,7 @@ def _kernels_usable(model: Transformer) -> bool:
     c = model.config
     times: dict[str, float] = {}
     why = kernels.self_test(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                            c.head_dim, model.dtype, model.device, times)
+                            c.head_dim, model.dtype, model.device, times, keep=kernels.verdict_dir())
     model.build_s.update({f"kernel_test_{k}": v for k, v in times.items()})
     if why:
         log.warning("fused Triton kernels off (%s): decoding with torch kernels", why)
@@ -564,7 +565,7 @@ def _attention_kernel_wanted(model: Transformer) -> bool:
     c = model.config
     times: dict[str, float] = {}
     why = kernels.attention_self_test(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype,
-                                      model.device, times)
+                                      model.device, times, keep=kernels.verdict_dir())
     model.build_s.update({f"attention_test_{k}": v for k, v in times.items()})
     if why:
         log.warning("Triton decode attention off (%s): using batched matmuls", why)

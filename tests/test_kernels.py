@@ -550,6 +550,45 @@ def test_gpu_self_tests_pass_at_7b_sizes(monkeypatch):
     assert set(times) == {"triton", "torch"} and min(times.values()) > 0, times
 
 
+@gpu
+def test_gpu_self_tests_passed_once_are_not_run_again_on_the_node(monkeypatch, tmp_path):
+    _use_triton(monkeypatch)
+    dims = (256, 512, 4, 2, 64)
+    for first in (True, False):
+        times: dict[str, float] = {}
+        assert kernels.self_test(*dims, torch.float16, "cuda", times, keep=tmp_path) is None
+        assert kernels.attention_self_test(*dims[2:], torch.float16, "cuda", times, keep=tmp_path) is None
+        assert ("triton" in times) == first, times  # the second start compares nothing
+    assert len(list(tmp_path.glob("coldstart-selftest-*.json"))) == 2
+    # other sizes are another verdict: tested
+    times = {}
+    assert kernels.self_test(512, 512, 4, 2, 64, torch.float16, "cuda", times, keep=tmp_path) is None
+    assert "triton" in times
+
+
+def test_kept_test_keeps_a_pass_never_a_failure(tmp_path, caplog):
+    path = tmp_path / "coldstart-selftest-x.json"
+    runs = []
+
+    def failing() -> str:
+        runs.append("f")
+        return "silu_mul differs from the torch reference by up to 0.5"
+
+    def passing() -> None:
+        runs.append("p")
+    assert kernels.kept_test(path, failing) == "silu_mul differs from the torch reference by up to 0.5"
+    assert not path.exists()  # a failure is tested again at the next start
+    assert kernels.kept_test(path, failing) is not None and runs == ["f", "f"]
+    assert kernels.kept_test(path, passing) is None and path.exists()
+    assert kernels.kept_test(path, failing) is None and runs == ["f", "f", "p"]  # kept: not run
+    path.write_text("{not json")  # torn: tested again and rewritten
+    assert kernels.kept_test(path, passing) is None and runs[-1] == "p" and "judging again" in caplog.text
+    assert json.loads(path.read_text()) == {"passed": True}
+    path.write_text('{"passed": false}')  # anything but a pass is no verdict
+    assert kernels.kept_test(path, failing) is not None and runs[-1] == "f"
+    assert kernels.kept_test(None, passing) is None and runs[-1] == "p"  # nowhere to keep: always run
+
+
 def test_self_test_says_why_without_cuda():
     why = kernels.self_test(64, 96, 4, 2, 16, torch.float32, "cpu")
     assert why is not None and "not available" in why
