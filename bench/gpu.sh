@@ -30,7 +30,7 @@ for stage in "$@"; do
     serve)   python3 bench/serve.py --out "$out" --report "$out" > "$out/serve.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
     serve-cold) # minimal and coldstart with a cold page cache only, with this run's own disk figure
-             python3 bench/serve.py --out "$out" --kinds minimal,coldstart --caches cold > "$out/serve-cold.log" 2>&1; r=$?
+             python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches cold > "$out/serve-cold.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve-cold.log"; (exit $r) ;;
     naive-warm|naive-cold) # the article's naive path (minutes per start: one device call each),
              # added to the serve stage's report

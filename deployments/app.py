@@ -31,7 +31,8 @@ from deployments.server import LLMServer
 )
 class LLMDeployment(LLMServer):
     def __init__(self, **args: Any):
-        super().__init__(**args, metrics=Metrics(use_ray=True))
+        # a replica is a process of its own: it may keep its compiled modules per node
+        super().__init__(**args, metrics=Metrics(use_ray=True), keep_bytecode=True)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -87,12 +87,13 @@ class LLMServer:
 
     Args (keyword, as in serve_config.yaml's ``args``): see ``DeploymentArgs``.
     ``metrics``: where phases and request figures go (``Metrics(use_ray=True)``
-    inside Ray).
+    inside Ray). ``keep_bytecode``: the process keeps its compiled modules per node where
+    its interpreter keeps none (``deployments.bytecode``; a Ray replica's own process).
     """
 
     def __init__(self, model: str = "weights/demo", *, model_name: str | None = None,
                  device: str = "auto", engine: dict | None = None, load: dict | None = None,
-                 fault_injection: bool = False, metrics: Metrics | None = None):
+                 fault_injection: bool = False, metrics: Metrics | None = None, keep_bytecode: bool = False):
         t_start = time.perf_counter()
         self.started_at = time.time()  # Unix times of the start-up milestones, for /stats
         self.warm_at: float | None = None
@@ -114,6 +115,9 @@ class LLMServer:
         with timer.phase("imports"):
             from deployments import head_start
             trickling = _start_trickle(path, head_start.gpu_expected(self.args.device), opts)
+            if keep_bytecode:
+                from deployments import bytecode
+                bytecode.enable()
             import_engine(self.args.device, timer)
         from deployments.engine import EngineConfig
         from deployments.model import NATIVE_ARCHITECTURES, architecture
