@@ -354,3 +354,25 @@ def test_a_model_built_before_its_weights_arrived_serves_the_arrived_ones(tmp_pa
     assert attn.qkv_b.data_ptr() == held  # in place: captured graphs keep their addresses
     torch.testing.assert_close(_logits(model, tokens), ref, atol=1e-4, rtol=1e-4)
     _engine_greedy_equals_transformers(model, hf)
+
+
+def test_kv_cache_is_one_block_of_contiguous_layer_views():
+    """Every layer's keys and values live in one allocation (one memset clears them all),
+    each layer's k and v a contiguous view of its own part."""
+    from deployments.model import KVCache, ModelConfig
+
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+                               "vocab_size": 50, "max_position_embeddings": 64})
+    cache = KVCache(cfg, 2, 16, torch.float32, torch.device("cpu"))
+    layers = cache.k + cache.v
+    assert len(layers) == 6 and all(t.shape == (2, 2, 16, 16) and t.is_contiguous() for t in layers)
+    base, size = cache.data.data_ptr(), cache.data.numel() * cache.data.element_size()
+    starts = sorted(t.data_ptr() for t in layers)
+    assert all(base <= p < base + size for p in starts) and len(set(starts)) == 6  # no two layers share
+    assert cache.data.count_nonzero() == 0
+    cache.k[2][1, 0, 5] = 1.0
+    cache.v[0][0, 1, 15, 3] = float("nan")
+    assert cache.data.isnan().sum() == 1 and cache.data[0, 2, 1, 0, 5].eq(1).all()
+    cache.zero_()
+    assert cache.data.count_nonzero() == 0 and not cache.data.isnan().any()
