@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-cold naive-warm naive-cold scaleup startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-cold naive-warm naive-cold scaleup startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -29,6 +29,11 @@ for stage in "$@"; do
     engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
     serve)   python3 bench/serve.py --out "$out" --report "$out" > "$out/serve.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
+    serve-warm|serve-add-cold) # the serve stage in two device calls: every kind with a warm page
+             # cache, then (on the same machine) with a cold one, added to the first call's report
+             if [ $stage = serve-warm ]; then a="--caches warm"; else a="--caches cold --merge $W/serve-partial.json"; fi
+             python3 bench/serve.py --out "$out" --report "$out" $a > "$out/$stage.log" 2>&1; r=$?
+             grep -E "warm after|^- " "$out/$stage.log"; (exit $r) ;;
     serve-cold) # minimal and coldstart with a cold page cache only, with this run's own disk figure
              python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches cold > "$out/serve-cold.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve-cold.log"; (exit $r) ;;
