@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-cold naive-warm naive-cold scaleup startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -34,6 +34,10 @@ for stage in "$@"; do
              if [ $stage = serve-warm ]; then a="--caches warm"; else a="--caches cold --merge $W/serve-partial.json"; fi
              python3 bench/serve.py --out "$out" --report "$out" $a > "$out/$stage.log" 2>&1; r=$?
              grep -E "warm after|^- " "$out/$stage.log"; (exit $r) ;;
+    serve-floors) # coldstart beside both minimal replicas, warm page cache, five deploys each
+             python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches warm --repeat 5 \
+               > "$out/serve-floors.log" 2>&1; r=$?
+             grep -E "warm after|^- " "$out/serve-floors.log"; (exit $r) ;;
     serve-cold) # minimal and coldstart with a cold page cache only, with this run's own disk figure
              python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches cold > "$out/serve-cold.log" 2>&1; r=$?
              grep -E "warm after|^\\|" "$out/serve-cold.log"; (exit $r) ;;

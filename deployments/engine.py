@@ -329,6 +329,8 @@ class Engine:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
+        from deployments import head_start
+        head_start.wait()  # Triton's per-process set-up (the kernels' self-tests may not have launched any)
         with torch.cuda.stream(side):  # warm-up (cuBLAS handles, lazy kernels) must precede capture
             for B in cfg.graph_batch_sizes:
                 self._decode_eager(B, cfg.kv_len_buckets[-1])

@@ -709,16 +709,20 @@ def _selftest_path(judged: list, device: torch.device | str, keep: Path | None) 
     return None if keep is None or device.type != "cuda" else verdict_path("selftest", judged, device, keep)
 
 
+def kept(path: Path | None) -> bool:
+    """Whether a self-test's pass is kept at ``path`` (``kept_test``)."""
+    doc = None if path is None else _read_verdict(path)
+    return doc is not None and doc.get("passed") is True
+
+
 def kept_test(path: Path | None, run: Callable[[], str | None]) -> str | None:
     """``run()``, a self-test (why the kernels are not usable, or None), unless a start before
     this one passed the same test on this node: its verdict, kept at ``path`` (``verdict_path``:
     same GPU model, torch, CUDA, Triton and kernel code), says so. A pass is kept; a failure
     never is (the next start tests again). A torn or foreign file is tested again and rewritten."""
-    if path is not None:
-        doc = _read_verdict(path)
-        if doc is not None and doc.get("passed") is True:
-            log.info("kernel self-test passed on this node before (%s): not run again", path.name)
-            return None
+    if kept(path):
+        log.info("kernel self-test passed on this node before (%s): not run again", path.name)  # type: ignore[union-attr]
+        return None
     why = run()
     if why is None and path is not None:
         _write_verdict(path, {"passed": True})
@@ -743,10 +747,11 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
     """
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
-    timed = _timing(times, device)
-    timed("wait", head_start.wait)  # Triton's per-process set-up, begun on a side thread at the replica's start
     judged = ["kernels", hidden, intermediate, n_heads, n_kv, head_dim, str(dtype)]
     path = _selftest_path(judged, device, keep)
+    timed = _timing(times, device)
+    if not kept(path):  # (kept: nothing is launched here, nothing to wait for)
+        timed("wait", head_start.wait)  # Triton's per-process set-up, begun on a side thread at the replica's start
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         rnd = _rand(dtype, device)
