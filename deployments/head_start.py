@@ -13,9 +13,6 @@ the driver's C helper is loaded before torch is there: only the driver object
 itself, which asks torch whether CUDA is available, waits for the main thread's
 ``import torch``.
 
-Once the CUDA context exists, ``after_context`` runs the compiler's version check that
-the first compile of every process needs, beside the engine's build.
-
 Neither Triton nor this module imports torch (``import torch`` on the side thread
 waits for the main thread's); this module imports nothing heavy on purpose.
 """
@@ -63,32 +60,6 @@ def start(device: str = "auto") -> threading.Thread | None:
             pass
 
     t = threading.Thread(target=run, name="triton-head-start", daemon=True)
-    t.start()
-    _THREADS.append(t)
-    return t
-
-
-def after_context(device: object) -> threading.Thread | None:
-    """Once the main thread has made the CUDA context on ``device`` (a torch.device): run, on a
-    side thread, what the process's first Triton compile (a cache hit too) would otherwise run
-    on the main thread, ``ptxas --version`` for its backend's hash: a subprocess, which waits
-    without the GIL while the engine is built. None where ``start`` did not run."""
-    if not _THREADS or getattr(device, "type", None) != "cuda":
-        return None
-    try:
-        import torch
-        major, minor = torch.cuda.get_device_capability(device)
-    except Exception:  # noqa: BLE001 - never fail a replica over a head start
-        return None
-
-    def run() -> None:
-        try:  # Triton's internals, as in ``start``
-            from triton.backends.nvidia.compiler import get_ptxas_version
-            get_ptxas_version(major * 10 + minor)  # lru-cached: the first compile finds it
-        except Exception:  # noqa: BLE001
-            pass
-
-    t = threading.Thread(target=run, name="triton-compiler-version", daemon=True)
     t.start()
     _THREADS.append(t)
     return t

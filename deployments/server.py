@@ -128,8 +128,6 @@ class LLMServer:
         with timer.phase("context"):
             self.device = choose_device(self.args.device)
             log.info("runtime: %s", create_context(self.device))
-        from deployments import head_start
-        head_start.after_context(self.device)
         if not (path / "model.cst").is_file():
             raise FileNotFoundError(
                 f"{path}: no packed model here (model.cst missing); make one with "

@@ -729,24 +729,6 @@ def test_head_start_only_where_triton_will_run(monkeypatch):
     monkeypatch.delenv("COLDSTART_TRITON")
     assert head_start.wanted("cuda:1") and head_start.wanted("auto") == os.path.exists("/dev/nvidiactl")
     head_start.wait()  # nothing to wait for
-    assert head_start.after_context(torch.device("cpu")) is None  # no head start, nothing after it
-
-
-@gpu
-def test_gpu_after_context_runs_the_compilers_version_check_on_a_side_thread(monkeypatch):
-    """The first Triton compile of a process (a cache hit too) needs ``ptxas --version``;
-    after the context, a side thread runs it, so the first launch finds it cached."""
-    from triton.backends.nvidia.compiler import get_ptxas_version
-
-    from deployments import head_start
-    monkeypatch.setattr(head_start, "_THREADS", [])
-    assert head_start.after_context(torch.device("cuda")) is None  # no head start in this process
-    head_start.start("cuda")
-    get_ptxas_version.cache_clear()
-    t = head_start.after_context(torch.device("cuda"))
-    assert t is not None and t.name == "triton-compiler-version"
-    head_start.wait()
-    assert not t.is_alive() and get_ptxas_version.cache_info().currsize == 1
 
 
 @gpu
