@@ -48,20 +48,29 @@ def needed(probe: str = "torch") -> bool:
     return sys.dont_write_bytecode or not writable
 
 
+def cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
+    """Where a replica keeps compiled modules when it needs to: COLDSTART_BYTECODE_CACHE, else
+    ``coldstart-bytecode`` beside Triton's kernel cache; None when turned off
+    (COLDSTART_BYTECODE_CACHE=0, or COLDSTART_KERNEL_VERDICTS=0: nothing kept per node)."""
+    choice = env.get("COLDSTART_BYTECODE_CACHE", "")
+    if choice == "0":
+        return None
+    if choice:
+        return choice
+    from deployments.head_start import kept_dir
+
+    kept = kept_dir()
+    return None if kept is None else os.path.join(kept, SUBDIR)
+
+
 def enable(env: Mapping[str, str] = os.environ, probe: str = "torch") -> str | None:
     """Keep this process's compiled modules in the node's cache from now on, where ``needed``;
     the cache's directory, or None (not needed, turned off, or no writable place)."""
-    choice = env.get("COLDSTART_BYTECODE_CACHE", "")
-    if choice == "0" or not needed(probe):
+    if env.get("COLDSTART_BYTECODE_CACHE", "") == "0" or not needed(probe):
         return None
-    where = choice
-    if not where:
-        from deployments.head_start import kept_dir
-
-        kept = kept_dir()
-        if kept is None:  # COLDSTART_KERNEL_VERDICTS=0: nothing is kept per node
-            return None
-        where = os.path.join(kept, SUBDIR)
+    where = cache_dir(env)
+    if where is None:
+        return None
     try:
         os.makedirs(where, exist_ok=True)
     except OSError as e:

@@ -61,8 +61,9 @@ class KVCache:
         shape = (max_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
         # zeros, not empty: a never-written position must hold finite values, since
         # masked-out scores still multiply it (0 * NaN = NaN). One allocation and one memset
-        # for every layer's keys and values (64 of each took 0.1 s of a 7B replica's start);
-        # each layer's k and v are contiguous views of it.
+        # for every layer's keys and values, each layer's k and v a contiguous view of it (the
+        # start's 0.1 s for a 7B's 32 GiB stayed as it was with 64 of each: the driver mapping
+        # the memory, bench/results/serve.json)
         self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
         self.k = list(self.data[0].unbind(0))
         self.v = list(self.data[1].unbind(0))

@@ -15,7 +15,8 @@ from deployments.doctor import Check, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = ["torch build", "nvidia driver", "cuda runtime", "cuda context", "visible gpu",
-               "gpu memory", "env vars", "kernel cache", "page cache", "read speed", "pinned h2d"]
+               "gpu memory", "env vars", "kernel cache", "compiled modules", "page cache", "read speed",
+               "pinned h2d"]
 GPU_CHECKS = ["nvidia driver", "cuda runtime", "cuda context", "visible gpu", "gpu memory",
               "pinned h2d"]
 
@@ -408,3 +409,27 @@ def test_kernel_cache_is_skipped_when_triton_is_off(monkeypatch):
     monkeypatch.setenv("COLDSTART_TRITON", "0")
     c = doctor.check_kernel_cache(doctor.DoctorOptions(), None)
     assert c.status == "skip" and "COLDSTART_TRITON=0" in c.detail
+
+
+def test_compiled_modules_says_where_replicas_keep_them(monkeypatch, tmp_path):
+    """Where torch has no .pyc the interpreter can read or write, the doctor says so and
+    where replicas keep the compiled modules instead; turned off, it warns."""
+    from deployments import bytecode
+
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(bytecode, "needed", lambda probe="torch": False)
+    c = doctor.check_bytecode()
+    assert c.status == "ok" and "itself" in c.detail
+    monkeypatch.setattr(bytecode, "needed", lambda probe="torch": True)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setenv("COLDSTART_BYTECODE_CACHE", str(tmp_path / "bc"))
+    (tmp_path / "bc" / "x").mkdir(parents=True)
+    (tmp_path / "bc" / "x" / "m.cpython-312.pyc").write_bytes(b"")
+    c = doctor.check_bytecode()
+    assert c.status == "ok" and str(tmp_path / "bc") in c.detail and c.data["pyc_files"] == 1
+    assert "PYTHONDONTWRITEBYTECODE is set" in c.detail
+    monkeypatch.setenv("COLDSTART_BYTECODE_CACHE", "0")
+    c = doctor.check_bytecode()
+    assert c.status == "warn" and "every replica compiles" in c.detail and "COLDSTART_BYTECODE_CACHE" in c.action
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "theirs"))
+    assert doctor.check_bytecode().status == "ok"
