@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      "plan_warmup_s": plan,
                                      "graphs": st["graphs"],
                                      "build_steps_s": {k: round(v, 3) for k, v in res.get("build_steps_s", {}).items()},
+                                     "first_launch_ms": st.get("first_launch_ms"),
                                      "first_prefill_ms": st.get("first_prefill_ms")}), flush=True)
         return res
 

@@ -331,12 +331,17 @@ class Engine:
         side.wait_stream(torch.cuda.current_stream(self.device))
         from deployments import head_start
         head_start.wait()  # Triton's per-process set-up (the kernels' self-tests may not have launched any)
+        each: dict[int, float] = {}
         with torch.cuda.stream(side):  # warm-up (cuBLAS handles, lazy kernels) must precede capture
             for B in cfg.graph_batch_sizes:
+                t = time.perf_counter()
                 self._decode_eager(B, cfg.kv_len_buckets[-1])
+                side.synchronize()
+                each[B] = round((time.perf_counter() - t) * 1e3, 2)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self._stats["first_launch_s"] = time.perf_counter() - t0
+        self._stats["first_launch_ms"] = each  # per batch size: the kernels it is the first to load
         for B in reversed(cfg.graph_batch_sizes):
             for L in reversed(cfg.kv_len_buckets):
                 g = torch.cuda.CUDAGraph()

@@ -709,19 +709,14 @@ def _selftest_path(judged: list, device: torch.device | str, keep: Path | None) 
     return None if keep is None or device.type != "cuda" else verdict_path("selftest", judged, device, keep)
 
 
-def kept(path: Path | None) -> bool:
-    """Whether a self-test's pass is kept at ``path`` (``kept_test``)."""
-    doc = None if path is None else _read_verdict(path)
-    return doc is not None and doc.get("passed") is True
-
-
 def kept_test(path: Path | None, run: Callable[[], str | None]) -> str | None:
     """``run()``, a self-test (why the kernels are not usable, or None), unless a start before
     this one passed the same test on this node: its verdict, kept at ``path`` (``verdict_path``:
     same GPU model, torch, CUDA, Triton and kernel code), says so. A pass is kept; a failure
     never is (the next start tests again). A torn or foreign file is tested again and rewritten."""
-    if kept(path):
-        log.info("kernel self-test passed on this node before (%s): not run again", path.name)  # type: ignore[union-attr]
+    doc = None if path is None else _read_verdict(path)
+    if path is not None and doc is not None and doc.get("passed") is True:
+        log.info("kernel self-test passed on this node before (%s): not run again", path.name)
         return None
     why = run()
     if why is None and path is not None:
@@ -742,16 +737,16 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
     added under "wait" (for Triton's head start), "triton" (the kernels) and "torch" (the
     references), each up to the device's completion. ``keep``: a directory (``verdict_dir()``)
     where a pass is kept, so that the next start on this node with the same GPU and software
-    skips the comparison (``kept_test``: 0.3-0.4 s of a 7B replica's start on an H200, most of
-    it the torch references' first launches); its kernels are then loaded by their first use.
+    skips the comparison (``kept_test``). In a warm 7B replica's start on an H200 that took the
+    self-tests' 0.57 s away, but most of it was the kernels' own first loads, which then come
+    with their first use (the capture's first launches, 0.31 -> 0.63 s): the engine's start
+    went from 1.74 to 1.68 s (bench/results/serve.json against runs/serve-v10-start-split.json).
     """
     if not available(device):
         return "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
     judged = ["kernels", hidden, intermediate, n_heads, n_kv, head_dim, str(dtype)]
     path = _selftest_path(judged, device, keep)
     timed = _timing(times, device)
-    if not kept(path):  # (kept: nothing is launched here, nothing to wait for)
-        timed("wait", head_start.wait)  # Triton's per-process set-up, begun on a side thread at the replica's start
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         rnd = _rand(dtype, device)
@@ -770,7 +765,10 @@ def self_test(hidden: int, intermediate: int, n_heads: int, n_kv: int, head_dim:
                      head_dim))
         yield "kv_cache", torch.cat(caches[:2]), torch.cat(caches[2:])
 
-    return kept_test(path, lambda: _compare(cases, dtype))
+    def test() -> str | None:  # (kept: nothing is launched, nothing to wait for)
+        timed("wait", head_start.wait)  # Triton's per-process set-up, begun on a side thread at the replica's start
+        return _compare(cases, dtype)
+    return kept_test(path, test)
 
 
 def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dtype,

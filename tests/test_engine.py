@@ -348,6 +348,8 @@ def test_cuda_graph_decode_equals_eager():
         eng.start()
         try:
             assert eng.stats()["graphs"] == (6 if graphs else 0)  # batch (1, 2, 4) x kv length (32, 128)
+            if graphs:  # each batch size's first eager step, timed on its own
+                assert sorted(eng.stats()["first_launch_ms"]) == [1, 2, 4]
             if graphs and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
                 assert eng.stats()["graphs_uploaded"] == 6  # none waits for its first launch to upload
             hs = [eng.submit(p, SamplingParams(max_new_tokens=40, **GREEDY)) for p in PROMPTS]
