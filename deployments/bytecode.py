@@ -66,7 +66,7 @@ def cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
 def enable(env: Mapping[str, str] = os.environ, probe: str = "torch") -> str | None:
     """Keep this process's compiled modules in the node's cache from now on, where ``needed``;
     the cache's directory, or None (not needed, turned off, or no writable place)."""
-    if env.get("COLDSTART_BYTECODE_CACHE", "") == "0" or not needed(probe):
+    if not needed(probe):  # (first: cache_dir may import the doctor's helpers)
         return None
     where = cache_dir(env)
     if where is None:

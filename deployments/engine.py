@@ -288,9 +288,9 @@ class Engine:
         still multiplies its value (0 * NaN = NaN), so one non-finite value left there would
         poison every later request in its slot (in a GPU test, a cold replica, whose weights'
         bytes arrive only after its build, over a buffer that held freed memory, decoded token 0
-        after its first). So the whole cache is zeroed after them: a memset of each layer's
-        tensors, queued on the device (32 GiB at the HBM's write rate is some 10 ms; not timed
-        on its own)."""
+        after its first). So the whole cache is zeroed after them: one memset of its block,
+        queued on the device (32 GiB at the HBM's write rate is some 10 ms; not timed on its
+        own)."""
         t0 = time.perf_counter()
         each: dict[int | str, float] = {}
 

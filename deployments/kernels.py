@@ -23,6 +23,7 @@ This module must stay cheap to import and never fail to: Triton is optional.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -558,12 +559,18 @@ def verdict_dir() -> Path | None:
     return None if where is None else Path(where)
 
 
+@functools.lru_cache(maxsize=1)
+def _code_hash() -> str:
+    """This module's code, hashed once per process (every verdict's key has it)."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 def verdict_path(kind: str, judged: Any, device: torch.device, where: Path) -> Path:
     """The file for the verdict on ``judged`` (shapes, dtypes, options) on this GPU, keyed on
     everything else that could change it: the GPU model, torch, its CUDA, Triton, this
     module's code. A node with another of these gets its own verdict."""
     props = torch.cuda.get_device_properties(device)
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    code = _code_hash()
     blob = json.dumps([kind, judged, props.name, [props.major, props.minor], torch.__version__,
                        torch.version.cuda, getattr(triton, "__version__", None), code], sort_keys=True, default=str)
     return where / f"coldstart-{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
