@@ -66,9 +66,15 @@ class EngineConfig:
     """Pad each prompt chunk to one of a few lengths (``prefill_lengths``) so that ``start``
     can run every prefill shape once, in the loop thread: a first prompt of a length that
     thread had not run took 40-50 ms longer to its first token on an H200. Native models only."""
+    prefill_min_len: int = 128
+    """The shortest length a prompt chunk is padded to (``prefill_lengths``). A batch-1 prefill
+    of up to some 200 tokens reads every weight once and computes less than that read takes,
+    so padding a short prompt up to 128 tokens costs its first token nothing measurable (an H200,
+    7B: 13.2-13.7 ms for 16 to 512 tokens, bench/results/runs/first-prefill-anatomy-flash.json),
+    while each length more costs the replica's start one first prefill (~45 ms)."""
 
     def validate(self) -> None:
-        for name in ("max_slots", "prefill_chunk"):
+        for name in ("max_slots", "prefill_chunk", "prefill_min_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {v!r}")
@@ -105,16 +111,19 @@ class EngineConfig:
         kv = sorted({min(b, msl) for b in (self.kv_len_buckets or (512, 2048))} | {msl})
         return EngineConfig(
             self.max_slots, msl, min(self.prefill_chunk, msl), self.cuda_graphs, tuple(bs), tuple(kv), self.reserve_bytes,
-            self.prefill_padding,
+            self.prefill_padding, self.prefill_min_len,
         )
 
 
-def prefill_lengths(chunk: int) -> tuple[int, ...]:
+def prefill_lengths(chunk: int, min_len: int = 16) -> tuple[int, ...]:
     """The lengths a prompt chunk of at most ``chunk`` tokens is padded to: powers of two
-    from 16, and ``chunk`` itself. Each costs ``Engine.start`` a first run (~40 ms of one-off
-    set-up per shape on an H200), so there are few; padding a prompt's last chunk at most
-    doubles it, a few milliseconds on a 7B (bench/results/runs/first-prefill-per-thread.json)."""
-    out = {b for b in (1 << k for k in range(4, 31)) if b < chunk} | {chunk}
+    from ``min_len`` (rounded up to one), and ``chunk`` itself. Each costs ``Engine.start`` a
+    first run (~45 ms of one-off set-up per shape on an H200), so there are few; padding a
+    prompt's last chunk at most doubles it, or brings it up to ``min_len``
+    (``EngineConfig.prefill_min_len``: free below the length where a prefill starts to compute
+    more than it reads)."""
+    first = 1 << max(0, min_len - 1).bit_length()
+    out = {b for b in (first << k for k in range(31)) if b < chunk} | {chunk}
     return tuple(sorted(out))
 
 
@@ -167,7 +176,7 @@ class Engine:
         self._stage = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
-        self._prefill_lengths = (prefill_lengths(cfg.prefill_chunk)
+        self._prefill_lengths = (prefill_lengths(cfg.prefill_chunk, cfg.prefill_min_len)
                                  if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
         # fresh prompts of one padded length share a forward (_fresh_group); its head always
         # multiplies the most rows a group can have, one shape for every group
@@ -305,11 +314,13 @@ class Engine:
             return torch.zeros(*shape, dtype=torch.int64, device=self.device)
         for n in self._prefill_lengths:
             timed(n, lambda: self.model.prefill(zeros(1, n), self.cache, 0, 0))
-        if self._batched_prefill and self.config.max_slots >= 2 and 32 <= self.config.prefill_chunk:
+        L0 = self._prefill_lengths[0] if self._prefill_lengths else 0
+        if self._batched_prefill and self.config.max_slots >= 2 and L0 and not L0 & (L0 - 1) \
+                and 2 * L0 <= self.config.prefill_chunk:
             # and two prompts in one forward (_prefill_group): its cache writes by slot, its row
             # gather and its head's one shape
-            timed("2x16", lambda: self.model.prefill_batch(zeros(2, 16), self.cache, [0, 1], [16, 16],
-                                                           logit_rows=self._logit_rows))
+            timed(f"2x{L0}", lambda: self.model.prefill_batch(zeros(2, L0), self.cache, [0, 1], [L0, L0],
+                                                             logit_rows=self._logit_rows))
         if self._prefill_lengths or self._graphs:
             self.cache.zero_()
         self._stats["first_prefill_s"] = time.perf_counter() - t0

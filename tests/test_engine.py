@@ -22,7 +22,9 @@ def make_engine(arch="llama", tokenizer=None, start=True, hf_kw=None, device="cp
                 ) -> tuple[Engine, torch.nn.Module]:
     hf, config = hf_model(arch, **(hf_kw or {}))
     model = build_model(config, {k: v.to(device) for k, v in state_tensors(hf).items()})
-    eng = Engine(model, tokenizer, EngineConfig(**{"max_slots": 4, "max_seq_len": 64, "prefill_chunk": 4, **cfg}))
+    # prefill_min_len 16: the tests' short chunks keep a few padded lengths (the default 128 is for 7B-sized chunks)
+    eng = Engine(model, tokenizer, EngineConfig(**{"max_slots": 4, "max_seq_len": 64, "prefill_chunk": 4,
+                                                   "prefill_min_len": 16, **cfg}))
     if start:
         eng.start()
     return eng, hf
@@ -379,6 +381,29 @@ def test_prefill_lengths():
     assert prefill_lengths(512) == (16, 32, 64, 128, 256, 512)
     assert prefill_lengths(100) == (16, 32, 64, 100)
     assert prefill_lengths(4) == (4,)
+    # the engine's default: nothing shorter than 128 (a prefill that short costs what 128 does)
+    assert prefill_lengths(512, EngineConfig().prefill_min_len) == (128, 256, 512)
+    assert prefill_lengths(512, 100) == (128, 256, 512)  # rounded up to a power of two
+    assert prefill_lengths(128, 128) == (128,)
+    assert prefill_lengths(100, 128) == (100,)
+    with pytest.raises(ValueError, match="prefill_min_len"):
+        EngineConfig(prefill_min_len=0).validate()
+
+
+def test_default_start_runs_few_prefill_shapes():
+    """With the default prefill_min_len and a 512-token chunk, start runs three lengths and one
+    batched pair of the shortest, and short prompts share forwards in rows it ran."""
+    eng, hf = make_engine(start=False, hf_kw={"max_position_embeddings": 1024}, max_seq_len=1024,
+                          prefill_chunk=512, prefill_min_len=128)
+    try:
+        eng.start()
+        assert eng.prefill_lengths() == (128, 256, 512)
+        assert list(eng.stats()["first_prefill_ms"]) == [128, 256, 512, "2x128"]
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in PROMPTS[:4]]
+        got = [h.result(timeout=60)[0] for h in hs]
+        assert got == [hf_greedy(hf, p, 4) for p in PROMPTS[:4]]
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -437,7 +462,7 @@ def test_start_over_weights_still_loading_leaves_no_trace():
     real = state_tensors(hf)
     buffer = {k: torch.full_like(v, float("nan")) for k, v in real.items()}  # bytes not arrived yet
     model = build_model(config, buffer)
-    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=64, prefill_chunk=32))
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=64, prefill_chunk=32, prefill_min_len=16))
     try:
         eng.start()
         assert eng.prefill_lengths() == (16, 32)  # start prefilled slots 0 and 1 over the NaNs
