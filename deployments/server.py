@@ -54,6 +54,8 @@ def import_engine(device: str, timer: PhaseTimer | None = None) -> None:
     ``timer`` gets phase ``imports_torch``: of them, ``import torch`` (what the minimal replica
     of bench/serve.py pays too)."""
     from deployments import head_start
+    from deployments.runtime import start_context
+    start_context(device)  # the GPU's context, made by the driver while torch is imported
     head_start.start(device)
     with timer.phase("imports_torch") if timer else contextlib.nullcontext():
         import torch  # noqa: F401  (the cost is what the phase measures)
@@ -121,13 +123,16 @@ class LLMServer:
             import_engine(self.args.device, timer)
         from deployments.engine import EngineConfig
         from deployments.model import NATIVE_ARCHITECTURES, architecture
-        from deployments.runtime import check_env, choose_device, create_context
+        from deployments.runtime import check_env, choose_device, create_context, early_context
         from weights.loader import start_load
         for w in check_env():
             log.warning(w)
         with timer.phase("context"):
             self.device = choose_device(self.args.device)
+            ahead = early_context() if self.device.type == "cuda" else None
             log.info("runtime: %s", create_context(self.device))
+        if ahead is not None:  # of the imports' time, on a side thread
+            timer.record("context_ahead", ahead)
         if not (path / "model.cst").is_file():
             raise FileNotFoundError(
                 f"{path}: no packed model here (model.cst missing); make one with "
