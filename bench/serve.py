@@ -19,6 +19,9 @@ replica, so the worker's process start and every import inside it count.
   transformers  __init__: import transformers, from_pretrained(device_map="cuda");
                 reconfigure: one generate (512-token prompt, 16 new tokens)
   transformers-cached  the same with the bytecode cache (see minimal-cached)
+  *-worker-cached  minimal, coldstart, transformers with the bytecode cache set for the whole
+                worker process (PYTHONPYCACHEPREFIX in the deployment's runtime_env, the option
+                serve_config.yaml documents): Ray's own modules are read compiled too
   naive         (--naive) the article's "before": random init on the CPU,
                 load_state_dict from the safetensors shards, .half().cuda()
 
@@ -60,6 +63,11 @@ ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_seg
        # Triton's kernel cache: the deployments find the 7B's kernels there, as on a node that ran
        # the model before (a new node compiles them once: `bash bench/gpu.sh OUT startenv` times it)
        **({"TRITON_CACHE_DIR": os.environ["TRITON_CACHE_DIR"]} if "TRITON_CACHE_DIR" in os.environ else {})}
+# the worker-wide bytecode cache (serve_config.yaml's commented option): the same directory a
+# replica keeps its own in (deployments.bytecode), so what one primes the other finds
+WORKER_PYC = {"PYTHONPYCACHEPREFIX": os.path.join(os.environ.get("TRITON_CACHE_DIR", "/tmp/coldstart-triton-cache"),
+                                                  "coldstart-bytecode"),
+              "PYTHONDONTWRITEBYTECODE": ""}
 BASE = "http://127.0.0.1:8000"
 # the warm-up plan users run: serve_config.yaml's user_config
 WARMUP = next(d["user_config"] for d in yaml.safe_load((ROOT / "serve_config.yaml").read_text())
@@ -190,7 +198,25 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
 
 
 # deployed --repeat times per cache (the +2 s goal compares these two); the others once
-REPEATED = ("minimal", "minimal-cached", "coldstart")
+REPEATED = ("minimal", "minimal-cached", "minimal-worker-cached", "coldstart")
+# the goals: coldstart (as deployed, and with the worker-wide cache) against each floor
+MINUS = (("coldstart", "minimal", "goal: + 2 s or less"),
+         ("coldstart", "minimal-cached", "the same goal against a floor that compiles none of torch's modules either"),
+         ("coldstart-worker-cached", "minimal-worker-cached",
+          "the same goal, both with the bytecode cache for the whole worker process"))
+OVER = (("coldstart", "transformers", "goal: 1/3 or less"),
+        ("coldstart", "transformers-cached",
+         "the same goal against a transformers replica that compiles none of its modules either"),
+        ("coldstart-worker-cached", "transformers",
+         "the same goal with the worker-wide bytecode cache for coldstart only, as an operator would set it"),
+        ("coldstart-worker-cached", "transformers-worker-cached",
+         "the same goal, both with the worker-wide bytecode cache"))
+# replicas whose engine computes as the default one does: their answers must all agree
+SAME_ANSWER = ("coldstart", "coldstart-worker-cached")
+
+
+def _key(*parts: str) -> str:
+    return "_".join(parts).replace("-", "_")
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -258,19 +284,15 @@ def scale_up(packed: Path, num_gpus: float, device: str, seconds: float = 120) -
 def goal_lines(s: dict) -> list[str]:
     """The deployment's start-up goals, each with the figures of this run."""
     lines = []
-    for floor, goal in (("minimal", "goal: + 2 s or less"),
-                        ("minimal-cached", "the same goal against a floor that compiles none of torch's modules "
-                                           "either")):
-        d = s.get(f"coldstart_minus_{floor.replace('-', '_')}_warm_s")
+    for ours, floor, goal in MINUS:
+        d = s.get(_key(ours, "minus", floor, "warm", "s"))
         if d is not None:
-            lines.append(f"- warm: coldstart = {floor} {'+' if d >= 0 else '-'} {abs(d):.2f} s "
+            lines.append(f"- warm: {ours} = {floor} {'+' if d >= 0 else '-'} {abs(d):.2f} s "
                          f"({goal}: {'met' if d <= 2 else 'not met'})")
-    for floor, goal in (("transformers", "goal: 1/3 or less"),
-                        ("transformers-cached", "the same goal against a transformers replica that compiles "
-                                                "none of its modules either")):
-        r = s.get(f"coldstart_over_{floor.replace('-', '_')}_warm")
+    for ours, floor, goal in OVER:
+        r = s.get(_key(ours, "over", floor, "warm"))
         if r is not None:
-            lines.append(f"- warm: coldstart = {r:.2f} of {floor} ({goal}: {'met' if r <= 1 / 3 else 'not met'})")
+            lines.append(f"- warm: {ours} = {r:.2f} of {floor} ({goal}: {'met' if r <= 1 / 3 else 'not met'})")
     if "cold_goal_s" in s and "coldstart_cold_s" in s:
         c, g = s["coldstart_cold_s"], s["cold_goal_s"]
         lines.append(f"- cold: coldstart {c:.2f} s vs minimal + the disk's time for the weights "
@@ -372,18 +394,16 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         r = res.get(cache, {})
         for kind, v in r.items():
             summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
-        if "coldstart" in r:  # against each floor measured in the run
-            ours = r["coldstart"]["deploy_to_warm_s"]
-            for floor in ("minimal", "minimal-cached"):
-                if floor in r:
-                    summary[f"coldstart_minus_{floor.replace('-', '_')}_{cache}_s"] = (
-                        ours - r[floor]["deploy_to_warm_s"])
-            for floor in ("transformers", "transformers-cached"):
-                if floor in r:
-                    summary[f"coldstart_over_{floor.replace('-', '_')}_{cache}"] = ours / r[floor]["deploy_to_warm_s"]
+        for ours, floor, _ in MINUS:  # against each floor measured in the run
+            if ours in r and floor in r:
+                summary[_key(ours, "minus", floor, cache, "s")] = (
+                    r[ours]["deploy_to_warm_s"] - r[floor]["deploy_to_warm_s"])
+        for ours, floor, _ in OVER:
+            if ours in r and floor in r:
+                summary[_key(ours, "over", floor, cache)] = r[ours]["deploy_to_warm_s"] / r[floor]["deploy_to_warm_s"]
     # a variant (--variant) may compute otherwise (torch kernels instead of Triton's): only the
     # default replica's starts are held to one answer
-    answers = [a["token_ids"] for a in res.get("answers", []) if a["kind"] == "coldstart"]
+    answers = [a["token_ids"] for a in res.get("answers", []) if a["kind"] in SAME_ANSWER]
     if answers:  # greedy, one prompt, one checkpoint: every start must answer alike
         summary["answers"] = len(answers)
         summary["answers_agree"] = all(a == answers[0] for a in answers)
@@ -480,6 +500,9 @@ def main() -> None:
     gpus = {"num_gpus": a.num_gpus, "num_cpus": 1}
     minimal = Minimal.options(ray_actor_options=gpus)
     hf_rep = TransformersReplica.options(ray_actor_options=gpus)
+    worker_cached = {**gpus, "runtime_env": {"env_vars": {**ENV, **WORKER_PYC}}}
+    minimal_w = Minimal.options(ray_actor_options=worker_cached)
+    hf_rep_w = TransformersReplica.options(ray_actor_options=worker_cached)
     # a throwaway deploy, so every measured one finds Serve's proxy and controller up, and the
     # per-node bytecode cache holds torch's modules where replicas keep one (deployments.bytecode),
     # as on a node that has run a replica before (the first replica on a node compiles them)
@@ -502,7 +525,11 @@ def main() -> None:
              "coldstart": ours,
              "transformers": lambda tag: measure(f"transformers-{tag}", hf_rep.bind(str(hf)), "", {}),
              "transformers-cached": lambda tag: measure(f"transformers-cached-{tag}",
-                                                        hf_rep.bind(str(hf), False, True), "", {})}
+                                                        hf_rep.bind(str(hf), False, True), "", {}),
+             "minimal-worker-cached": lambda tag: measure(f"minimal-worker-cached-{tag}", minimal_w.bind(), "", {}),
+             "coldstart-worker-cached": lambda tag: ours(tag, {"name": "worker-cached", "env": WORKER_PYC}),
+             "transformers-worker-cached": lambda tag: measure(f"transformers-worker-cached-{tag}",
+                                                               hf_rep_w.bind(str(hf)), "", {})}
     for v in variants:
         kinds[f"coldstart-{v['name']}"] = lambda tag, v=v: ours(tag, v)
     if a.scale_up_only:  # the 1 -> 2 replica figure alone
@@ -517,9 +544,13 @@ def main() -> None:
         unknown = set(a.kinds) - set(kinds)
         if unknown:
             ap.error(f"--kinds: unknown {sorted(unknown)} (known: {', '.join(kinds)}; naive needs --naive)")
-        kinds = {k: v for k, v in kinds.items() if k in a.kinds or k.startswith("coldstart-")}  # (variants asked for)
+        asked = set(a.kinds) | {f"coldstart-{v['name']}" for v in variants}  # (and the variants)
+        kinds = {k: v for k, v in kinds.items() if k in asked}
     if "transformers-cached" in kinds and not a.merge:  # its modules in the bytecode cache before it is measured
         measure("prime-transformers", hf_rep.bind(str(hf), False, True), "", {})
+    if any(k.endswith("worker-cached") for k in kinds) and not a.merge:  # and Ray's, for the worker-wide cache
+        measure("prime-worker", (hf_rep_w.bind(str(hf)) if "transformers-worker-cached" in kinds
+                                 else minimal_w.bind()), "", {})
     res: dict = {"warm": {}, "cold": {}}
     command = "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])
     if a.merge:  # an earlier run on this machine (its disk figure and command stay with it)
