@@ -32,7 +32,8 @@ for stage in "$@"; do
     serve-warm|serve-add-cold) # the serve stage in two device calls: every kind with a warm page
              # cache, then (on the same machine) with a cold one, added to the first call's report
              if [ $stage = serve-warm ]; then a="--caches warm"; else a="--caches cold --merge $W/serve-partial.json"; fi
-             python3 bench/serve.py --out "$out" --report "$out" $a > "$out/$stage.log" 2>&1; r=$?
+             # (SERVE_EXTRA: more arguments, e.g. --variant NAME=JSON without spaces)
+             python3 bench/serve.py --out "$out" --report "$out" $a ${SERVE_EXTRA:-} > "$out/$stage.log" 2>&1; r=$?
              grep -E "warm after|^- " "$out/$stage.log"; (exit $r) ;;
     serve-floors) # coldstart beside both minimal replicas, warm page cache, five deploys each
              python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches warm --repeat 5 \
