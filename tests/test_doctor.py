@@ -420,7 +420,7 @@ def test_compiled_modules_says_where_replicas_keep_them(monkeypatch, tmp_path):
     monkeypatch.setattr(bytecode, "needed", lambda probe="torch": False)
     c = doctor.check_bytecode()
     assert c.status == "ok" and "itself" in c.detail
-    monkeypatch.setattr(bytecode, "needed", lambda probe="torch": True)
+    monkeypatch.setattr(bytecode, "needed", lambda probe="torch": probe == "torch")
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setenv("COLDSTART_BYTECODE_CACHE", str(tmp_path / "bc"))
     (tmp_path / "bc" / "x").mkdir(parents=True)
@@ -428,6 +428,11 @@ def test_compiled_modules_says_where_replicas_keep_them(monkeypatch, tmp_path):
     c = doctor.check_bytecode()
     assert c.status == "ok" and str(tmp_path / "bc") in c.detail and c.data["pyc_files"] == 1
     assert "PYTHONDONTWRITEBYTECODE is set" in c.detail
+    # Ray without .pyc files too: its worker compiles them before the replica can keep any
+    monkeypatch.setattr(bytecode, "needed", lambda probe="torch": True)
+    c = doctor.check_bytecode()
+    assert c.status == "warn" and "Ray is installed without them" in c.detail
+    assert f"PYTHONPYCACHEPREFIX={tmp_path / 'bc'}" in c.action and "serve_config.yaml" in c.action
     monkeypatch.setenv("COLDSTART_BYTECODE_CACHE", "0")
     c = doctor.check_bytecode()
     assert c.status == "warn" and "every replica compiles" in c.detail and "COLDSTART_BYTECODE_CACHE" in c.action
