@@ -52,6 +52,10 @@ def start(device: str = "auto") -> threading.Thread | None:
             from triton.backends.nvidia.driver import CudaUtils, libcuda_dirs
             libcuda_dirs()
             CudaUtils()  # the driver's C helper (a singleton): needs neither torch nor a context
+            try:  # what Triton's first launcher imports (46 modules): 0.18 s of the engine's first launch
+                import triton.experimental.gluon.nvidia.hopper  # noqa: F401  (bench/results/runs/start-profile-v3-kept-engine.json)
+            except ImportError:  # a Triton without it does not import it either
+                pass
             import torch  # the main thread's import, once it is done
             if torch.cuda.is_available():  # no CUDA context is made here
                 from triton.runtime.driver import driver

@@ -382,3 +382,67 @@ def test_trickle_reads_the_file_one_piece_at_a_time_and_stops(tmp_path):
     assert slow.poll() is not None
     assert readahead.resident_bytes(g, 0, size) < size
     assert readahead.trickle(tmp_path / "missing") is None and not readahead.is_cold(tmp_path / "missing")
+
+
+def test_expandable_segments_setting_is_read_from_either_variable():
+    from weights.loader import expandable_segments_on
+    assert expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert expandable_segments_on({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"})
+    assert not expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert not expandable_segments_on({})
+
+
+def test_one_segment_turns_expandable_segments_off_only_inside(monkeypatch):
+    """Where expandable segments are on, the allocator is told to make plain segments for what
+    is allocated inside, and told back afterwards, also when the allocation fails; on the CPU,
+    or where they are off, nothing is changed."""
+    from weights import loader
+    calls: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with loader.one_segment(torch.device("cuda", 0)):
+        assert calls == ["expandable_segments:False"]
+    assert calls == ["expandable_segments:False", "expandable_segments:True"]
+    with pytest.raises(MemoryError):
+        with loader.one_segment(torch.device("cuda", 0)):
+            raise MemoryError("out of memory")
+    assert calls[-1] == "expandable_segments:True" and len(calls) == 4
+    with loader.one_segment(torch.device("cpu")):
+        pass
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    with loader.one_segment(torch.device("cuda", 0)):
+        pass
+    assert len(calls) == 4
+
+
+ONE_SEGMENT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from weights.loader import one_segment
+dev = torch.device("cuda", 0)
+with one_segment(dev):
+    big = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)
+after = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+segs = {s["address"]: s for s in torch.cuda.memory_snapshot()}
+def seg(t):
+    p = t.data_ptr()
+    return next(s for a, s in segs.items() if a <= p < a + s["total_size"])
+print(json.dumps({"big": seg(big).get("is_expandable"), "after": seg(after).get("is_expandable"),
+                  "zeros": int(big.sum().item())}))
+"""
+
+
+@gpu
+def test_one_segment_on_the_gpu(tmp_path):
+    """With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, a tensor made inside one_segment
+    lies in a plain segment and one made after it in an expandable one."""
+    import json
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    out = subprocess.run([sys.executable, "-c", ONE_SEGMENT_SCRIPT, str(root)], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"big": False, "after": True, "zeros": 0}
