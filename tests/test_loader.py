@@ -390,6 +390,9 @@ def test_expandable_segments_setting_is_read_from_either_variable():
     assert expandable_segments_on({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"})
     assert not expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
     assert not expandable_segments_on({})
+    # torch reads PYTORCH_ALLOC_CONF first: where it is set, the older name does not count
+    assert not expandable_segments_on({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64",
+                                       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
 
 
 def test_one_segment_turns_expandable_segments_off_only_inside(monkeypatch):
@@ -399,14 +402,17 @@ def test_one_segment_turns_expandable_segments_off_only_inside(monkeypatch):
     from weights import loader
     calls: list[str] = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    # the other options are given both times: torch resets those a settings string leaves out
+    conf = "garbage_collection_threshold:0.8,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
     with loader.one_segment(torch.device("cuda", 0)):
-        assert calls == ["expandable_segments:False"]
-    assert calls == ["expandable_segments:False", "expandable_segments:True"]
+        assert calls == ["garbage_collection_threshold:0.8,expandable_segments:False"]
+    assert calls == ["garbage_collection_threshold:0.8,expandable_segments:False", conf]
     with pytest.raises(MemoryError):
         with loader.one_segment(torch.device("cuda", 0)):
             raise MemoryError("out of memory")
-    assert calls[-1] == "expandable_segments:True" and len(calls) == 4
+    assert calls[-1] == conf and len(calls) == 4
     with loader.one_segment(torch.device("cpu")):
         pass
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
