@@ -95,6 +95,14 @@ def check_env() -> list[str]:
     return warn
 
 
+def _driver_present() -> bool:
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def start_context(requested: str) -> threading.Thread | None:
     """Create the GPU's primary CUDA context on a side thread, through the driver itself,
     while this thread imports torch; None where it is not started.
@@ -110,14 +118,14 @@ def start_context(requested: str) -> threading.Thread | None:
     where it is unset, as torch does before its own first CUDA call: the driver reads it
     once, at cuInit. Env COLDSTART_EARLY_CONTEXT=0 turns this off. Imports nothing heavy."""
     if (requested not in ("auto", "cuda", "cuda:0") or _EARLY
-            or os.environ.get("COLDSTART_EARLY_CONTEXT", "1") == "0" or not os.path.exists("/dev/nvidiactl")):
+            or os.environ.get("COLDSTART_EARLY_CONTEXT", "1") == "0" or not _driver_present()):
         return None
     os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
 
     def run() -> None:
         t0 = time.perf_counter()
         try:
-            cuda = ctypes.CDLL("libcuda.so.1")
+            cuda = _libcuda()
             dev, ctx = ctypes.c_int(), ctypes.c_void_p()
             for call, rc in (("cuInit", lambda: cuda.cuInit(0)),
                              ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),

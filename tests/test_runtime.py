@@ -60,25 +60,28 @@ def test_early_context_only_for_device_zero_and_where_a_driver_is(fresh_early, m
     for dev in ("cpu", "cuda:1"):
         assert rt.start_context(dev) is None
     monkeypatch.setenv("COLDSTART_EARLY_CONTEXT", "0")
-    monkeypatch.setattr(rt.os.path, "exists", lambda p: True)
+    monkeypatch.setattr(rt, "_driver_present", lambda: True)
     assert rt.start_context("auto") is None
     assert rt.early_context() is None  # nothing started: nothing to wait for
 
 
 def test_early_context_without_libcuda_does_nothing_and_says_why(fresh_early, monkeypatch, caplog):
-    """A node whose /dev/nvidiactl exists but whose libcuda cannot be loaded (here: this
-    machine, told there is a driver): the side thread gives up, the replica goes on to torch's
-    own start, which reports the real problem."""
+    """A node whose /dev/nvidiactl exists but whose libcuda cannot be loaded: the side thread
+    gives up, the replica goes on to torch's own start, which reports the real problem."""
     rt = fresh_early
-    monkeypatch.setattr(rt.os.path, "exists", lambda p: True)
-    monkeypatch.setattr(rt.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(f"{name}: not found")))
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.setattr(rt, "_driver_present", lambda: True)
+
+    def no_libcuda():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+    monkeypatch.setattr(rt, "_libcuda", no_libcuda)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "-")  # (so that what start_context sets is undone after)
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
     t = rt.start_context("auto")
     assert t is not None
     import logging
     with caplog.at_level(logging.INFO, logger="deployments.runtime"):
         assert rt.early_context() is None
-    assert "libcuda.so.1: not found" in caplog.text
+    assert "libcuda.so.1: cannot open shared object file" in caplog.text
     # the driver reads it at cuInit: set as torch sets it, before the thread's first call
     assert rt.os.environ["CUDA_MODULE_LOADING"] == "LAZY"
     assert rt.start_context("auto") is None  # once per process
