@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,15 +59,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.load import ensure_checkpoint, warm_cache  # noqa: E402
 from bench.load import run as run_limit  # noqa: E402
+from deployments import bytecode  # noqa: E402
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
        # Triton's kernel cache: the deployments find the 7B's kernels there, as on a node that ran
        # the model before (a new node compiles them once: `bash bench/gpu.sh OUT startenv` times it)
        **({"TRITON_CACHE_DIR": os.environ["TRITON_CACHE_DIR"]} if "TRITON_CACHE_DIR" in os.environ else {})}
 # the worker-wide bytecode cache (serve_config.yaml's commented option): the same directory a
-# replica keeps its own in (deployments.bytecode), so what one primes the other finds
-WORKER_PYC = {"PYTHONPYCACHEPREFIX": os.path.join(os.environ.get("TRITON_CACHE_DIR", "/tmp/coldstart-triton-cache"),
-                                                  "coldstart-bytecode"),
+# replica keeps its own in (deployments.bytecode, from the same TRITON_CACHE_DIR as ENV's), so
+# what one primes the other finds
+WORKER_PYC = {"PYTHONPYCACHEPREFIX": bytecode.cache_dir() or os.path.join(tempfile.gettempdir(), bytecode.SUBDIR),
               "PYTHONDONTWRITEBYTECODE": ""}
 BASE = "http://127.0.0.1:8000"
 # the warm-up plan users run: serve_config.yaml's user_config

@@ -2,16 +2,17 @@
 
 Builds the replica (``deployments.server.LLMServer``: imports, context, load, engine,
 then the warm-up plan of serve_config.yaml) in this process under cProfile, and writes
-the phases and the functions with the most cumulative and own time. cProfile sees the
-main thread only: the loader's threads are the phase ``load`` (their own time), the
-main thread's wait for them is ``load_wait``.
+the phases and the functions with the most cumulative and own time. The loader's threads
+are the phase ``load`` (their own time), the main thread's wait for them is ``load_wait``;
+cProfile records the main thread only up to Python 3.11, every thread from 3.12.
 
     PYTHONPATH=$PWD python bench/start_profile.py PACKED_DIR --out start-profile.json
 
 ``COLDSTART_BUILD_DURING_LOAD=0`` profiles the sequential start instead. ``--scope
-engine-start`` profiles only ``Engine.start`` (the first eager launches, the capture of
-the decode graphs and, in the loop thread, the first prefills; cProfile sees the main
-thread), with the whole start's phases still timed.
+engine-start`` profiles only while ``Engine.start`` runs (the first eager launches, the
+capture of the decode graphs and, in the loop thread, the first prefills), with the whole
+start's phases still timed (on Python 3.12 the loader's threads show in it too: ``preadv``,
+``copy_h2d``).
 """
 
 from __future__ import annotations

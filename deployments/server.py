@@ -62,7 +62,6 @@ def import_engine(device: str, timer: PhaseTimer | None = None) -> None:
 
     import deployments.engine  # noqa: F401
     import deployments.model  # noqa: F401
-    import deployments.runtime  # noqa: F401
     import deployments.tokenizer  # noqa: F401
     import weights.loader  # noqa: F401
 

@@ -251,7 +251,7 @@ def _load_cpu(packed: PackedFile, opts: LoadOptions, timer: PhaseTimer) -> torch
 
 def _alloc_conf(env: Mapping[str, str]) -> str:
     """The allocator settings torch read: PYTORCH_ALLOC_CONF (torch >= 2.9), else
-    PYTORCH_CUDA_ALLOC_CONF."""
+    PYTORCH_CUDA_ALLOC_CONF (the doctor's env check reads them alike, without importing this)."""
     return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
 
 
