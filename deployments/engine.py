@@ -139,16 +139,23 @@ def _is_device_error(e: BaseException) -> bool:
     return type(e).__name__ == "AcceleratorError" or "CUDA" in str(e) or "cuda" in type(e).__module__
 
 
+class NonFiniteLogits(RuntimeError):
+    """A request's logits held NaN or inf: the request fails, with this message, instead of
+    streaming the arbitrary tokens an argmax over them picks."""
+
+
 class _Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "prefilled", "pos", "last", "n_gen", "text", "gen", "stops")
+    __slots__ = ("handle", "prompt", "params", "slot", "prefilled", "pos", "written", "last", "n_gen", "text", "gen",
+                 "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
         self.slot = -1
         self.prefilled = 0  # prompt tokens in the cache
         self.pos = 0  # next cache position to write (tokens in the cache)
+        self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
         self.last = -1  # last sampled token, fed at `pos` by the next decode step
         self.n_gen = 0
         self.gen: torch.Generator | None = None
@@ -456,6 +463,8 @@ class Engine:
     def _prefill_group(self, group: list[_Seq], L: int) -> None:
         """One forward for ``group`` (``_fresh_group``); their first tokens are sampled at once."""
         tokens = torch.tensor([s.prompt + [0] * (L - len(s.prompt)) for s in group], device=self.device)
+        for s in group:
+            s.written = max(s.written, L)
         try:
             logits = self.model.prefill_batch(tokens, self.cache, [s.slot for s in group],
                                               [len(s.prompt) for s in group], logit_rows=self._logit_rows)
@@ -486,6 +495,7 @@ class Engine:
                     n = min(self.config.prefill_chunk, len(s.prompt) - s.prefilled)
                     ids = s.prompt[s.prefilled : s.prefilled + n]
                     padded = self._padded_len(n, s.prefilled)
+                    s.written = max(s.written, s.prefilled + padded)
                     if padded > n:  # the positions after the prompt are written again by decode
                         chunk = torch.tensor([ids + [0] * (padded - n)], device=self.device)
                         logits = self.model.prefill(chunk, self.cache, s.slot, s.prefilled, n_valid=n)  # [V]
@@ -581,6 +591,12 @@ class Engine:
                     toks.append(None)
         for s, tok in zip(seqs, toks):
             if tok is None:
+                if not s.handle.done and s.slot >= 0:  # (None from a failed row: finished above)
+                    log.error("request %d: non-finite logits at generated token %d", s.handle.id, s.n_gen + 1)
+                    self._finish(s, "error", NonFiniteLogits(
+                        f"the model's logits were not finite (NaN or inf) at generated token {s.n_gen + 1}: "
+                        f"it overflowed its dtype ({self.model.dtype}) on this prompt; a float16 checkpoint "
+                        f"may need packing as bfloat16 (coldstart pack --dtype bfloat16)"))
                 continue
             reason = self._take(s, tok)
             if defer:
@@ -630,18 +646,31 @@ class Engine:
             self._finish(s, reason, token=tok, text=text)
 
     def _retire(self, s: _Seq) -> None:
-        """Stop scheduling ``s`` and free its cache slot (its last chunk may still be pending)."""
+        """Stop scheduling ``s`` and free its cache slot (its last chunk may still be pending).
+
+        The positions it wrote are zeroed first (one fill, queued behind its last step): a
+        multi-row decode step reads every key of its length bucket, masked ones included, and
+        a masked key still multiplies its value (0 * NaN = NaN). A request whose keys or values
+        overflowed (fp16) would otherwise leave non-finite values behind, and every later
+        request in that slot would decode garbage (tests/test_engine.py). Only on the loop's
+        own thread while it is healthy: after a device error, or from ``shutdown``, nothing
+        more is launched."""
         for lst in (self._prefilling, self._decoding):
             if s in lst:
                 lst.remove(s)
         if s.slot >= 0:
+            upto = min(max(s.written, s.pos), self.config.max_seq_len)
+            if upto and self.error is None and threading.current_thread() is self._thread:
+                self.cache.zero_slot(s.slot, upto)
             heapq.heappush(self._free, s.slot)
             s.slot = -1
 
     def _finish(self, s: _Seq, reason: str, error: BaseException | None = None, *, token: int | None = None, text: str = "") -> None:
-        self._retire(s)
-        self._stats["finished"] += 1
-        s.handle._put(Chunk([] if token is None else [token], text, reason), error=error)
+        try:
+            self._retire(s)  # (a device error here still ends the request, then the loop)
+        finally:
+            self._stats["finished"] += 1
+            s.handle._put(Chunk([] if token is None else [token], text, reason), error=error)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -61,6 +61,10 @@ class HFCache:
         self.slots: list[Any] = [None] * max_slots
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
 
+    def zero_slot(self, slot: int, upto: int) -> None:
+        """The engine frees a slot: its cache object goes (the next prefill makes a new one)."""
+        self.slots[slot] = None
+
 
 class HFModel(nn.Module):
     """Engine-facing wrapper around a transformers causal LM."""

@@ -197,7 +197,9 @@ if triton is not None:
         m_i = tl.full((BLOCK_G,), -1e30, tl.float32)  # finite: an all-masked block adds nothing
         l_i = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
-        end = tl.minimum(start + chunk, kv_len)
+        # no key past the row's position is read: its blocks would only be masked (and a stale
+        # NaN there would still reach acc through 0 * NaN); a padding row (pos >= kv_len) reads all
+        end = tl.minimum(start + chunk, tl.minimum(kv_len, pos + 1))
         n0 = start
         while n0 < end:  # (a while, not a range: Triton's interpreter cannot index by a runtime bound)
             n = n0 + tl.arange(0, BLOCK_N)

@@ -75,6 +75,11 @@ class KVCache:
         """Every position back to zero (one memset, queued on the current stream)."""
         self.data.zero_()
 
+    def zero_slot(self, slot: int, upto: int) -> None:
+        """Positions [0, upto) of one slot back to zero, in every layer's keys and values (one
+        fill over a strided view, queued on the current stream)."""
+        self.data[:, :, slot, :, :upto].zero_()
+
     @staticmethod
     def bytes_needed(cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()

@@ -4,6 +4,10 @@ Vectorized over rows (one sort / softmax for the whole batch); only the random
 draw is per row, so that a seeded request gives the same tokens whatever else
 is in the batch. The draw uses the exponential race (argmax p / E, E ~ Exp(1)),
 which samples exactly from p with a single argmax.
+
+A row whose logits are not all finite (the model overflowed its dtype: NaN or inf)
+gets None instead of a token: an argmax over NaN picks an arbitrary token, which
+would stream as if it were an answer.
 """
 
 from __future__ import annotations
@@ -19,16 +23,18 @@ def sample(
     top_p: Sequence[float],
     top_k: Sequence[int],
     generators: Sequence[torch.Generator | None],
-) -> list[int]:
+) -> list[int | None]:
     """logits: [R, V]; one entry per row in the other arguments. temperature 0 = greedy.
 
-    Returns the sampled token ids (one device->host sync).
+    Returns the sampled token ids, None for a row whose logits are not all finite (one
+    device->host sync).
     """
     R, V = logits.shape
+    finite = torch.isfinite(logits).all(dim=-1)  # [R]
     out = logits.argmax(dim=-1)  # [R]; greedy rows are done
     rows = [i for i in range(R) if temperature[i] > 0]
     if not rows:
-        return out.tolist()
+        return _tokens(out, finite)
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
     x = logits.index_select(0, idx).float()  # [r, V]
@@ -51,4 +57,8 @@ def sample(
     for j, i in enumerate(rows):
         noise[j].exponential_(generator=generators[i])
     out[idx] = (probs / noise).argmax(dim=-1)
-    return out.tolist()
+    return _tokens(out, finite)
+
+
+def _tokens(out: torch.Tensor, finite: torch.Tensor) -> list[int | None]:
+    return [None if t < 0 else t for t in torch.where(finite, out, -1).tolist()]

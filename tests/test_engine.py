@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 
-from deployments.engine import Engine, EngineConfig, SamplingParams, _check_fits
+from deployments.engine import Engine, EngineConfig, NonFiniteLogits, SamplingParams, _check_fits
 from deployments.model import build_model
 from deployments.request import TextState
+from deployments.sampling import sample
 from deployments.tokenizer import Tokenizer
 from helpers_engine import hf_greedy, hf_model, state_tensors, write_tokenizer_dir
 
@@ -227,6 +228,44 @@ def test_one_bad_request_does_not_kill_the_loop(engine):
     assert good.result(timeout=30)[2] == "length"
     assert eng.alive()
     assert eng.generate([7], SamplingParams(max_new_tokens=3, **GREEDY))[2] == "length"
+
+
+def test_non_finite_logits_fail_the_request_and_leave_no_trace(engine):
+    """A prompt the model overflows on (here: one token's embedding is inf) fails with a message
+    that says so, instead of streaming the arbitrary tokens an argmax over NaN picks; and the
+    NaN keys and values it wrote do not reach the next requests in its slot, alone or batched
+    (a multi-row step multiplies masked values too)."""
+    eng, _ = engine
+    clean = [[3, 5, 7], [2, 4, 6, 8]]
+    params = SamplingParams(max_new_tokens=8, **GREEDY)
+    before = [eng.generate(p, params)[0] for p in clean]
+    with torch.no_grad():
+        eng.model.model.embed_tokens.weight[90] = float("inf")
+    h = eng.submit([90] * 20, SamplingParams(max_new_tokens=4, **GREEDY))  # longer than the clean prompts
+    assert h.result(timeout=30)[2] == "error"
+    assert isinstance(h.error, NonFiniteLogits) and "not finite" in str(h.error) and "bfloat16" in str(h.error)
+    assert eng.alive()
+    assert [eng.generate(p, params)[0] for p in clean] == before
+    hs = [eng.submit(p, params) for p in clean]  # two rows in one decode step, slots 0 and 1
+    assert [x.result(timeout=30)[0] for x in hs] == before
+
+
+def test_a_finished_request_leaves_its_slot_zeroed(engine):
+    eng, _ = engine
+    ids, _, reason = eng.generate(PROMPTS[2], SamplingParams(max_new_tokens=9, **GREEDY))  # 13 tokens, 4 chunks
+    assert reason == "length" and len(ids) == 9
+    assert eng.stats()["free_slots"] == 4
+    assert not eng.cache.data.any()  # slot 0 held 13 + 8 positions; every one is zero again
+
+
+def test_sample_gives_no_token_for_non_finite_rows():
+    logits = torch.randn(4, 10)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    gens = [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    toks = sample(logits, [0.0, 0.0, 0.7, 0.7], [1.0] * 4, [0] * 4, gens)
+    assert toks[0] == int(logits[0].argmax()) and toks[1] is None and toks[2] is None
+    assert isinstance(toks[3], int) and 0 <= toks[3] < 10
 
 
 def test_device_error_kills_the_loop():

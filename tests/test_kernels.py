@@ -306,6 +306,20 @@ def test_interp_decode_attention(interp, case, dtype):
     torch.testing.assert_close(out, ref, **({} if dtype == torch.float32 else TOL[dtype]))
 
 
+@pytest.mark.parametrize("case", [c for c in ATTN_CASES if not c[6] and c[0] > 1])
+def test_interp_decode_attention_reads_no_key_past_the_position(interp, case):
+    """Keys and values past a row's position (a freed slot's stale ones, say) are never read:
+    NaN there changes nothing. Only the padding row, which sees every key, keeps its clean ones."""
+    B, H, Hkv, Dh, T, kv_len, window = case
+    q, kc, vc, pos = _attn_inputs(B, H, Hkv, Dh, T, kv_len, torch.float32)
+    stale_k, stale_v = kc.clone(), vc.clone()
+    for b in range(B - 1):
+        stale_k[b, :, int(pos[b]) + 1:] = float("nan")
+        stale_v[b, :, int(pos[b]) + 1:] = float("nan")
+    out = interp._launch_decode_attention(q, stale_k, stale_v, pos, kv_len, window, Dh**-0.5)
+    torch.testing.assert_close(out, interp._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5))
+
+
 # (N, K, bias): N not a multiple of the row block, K not a multiple of the K block, a bias
 GEMV_CASES = [(64, 128, False), (37, 100, True), (96, 1100, False), (5, 16, True)]
 
