@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -73,6 +73,16 @@ for stage in "$@"; do
              OMP_NUM_THREADS=1 python3 $a 2>&1 | grep START
              TRITON_CACHE_DIR=$(mktemp -d) python3 $a 2>&1 | grep START ;;
     scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
+    serve-beside-load) # the engine's first launches beside the warm load's copies
+             # (bench/results/runs/first-launch-beside-load.json): coldstart as deployed, with its
+             # load held until the first launches, with fewer reader threads, and with the
+             # engine built only after the load; five rounds beside the cached floor
+             python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches warm --repeat 5 \
+               --variant hold='{"load": {"hold_for_first_launches": true}}' \
+               --variant threads4='{"load": {"threads": 4}}' \
+               --variant after='{"env": {"COLDSTART_BUILD_DURING_LOAD": "0"}}' \
+               > "$out/serve-beside-load.log" 2>&1; r=$?
+             grep -E "warm after|deploys|^- " "$out/serve-beside-load.log"; (exit $r) ;;
     startsplit) # where coldstart's warm start goes beyond the minimal replica's: the imports'
              # source compiles (twice: whether the first run's .pyc files are found), the engine's
              # start outside Ray, then in Ray beside the minimal replica with one part left out at a time

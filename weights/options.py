@@ -28,6 +28,13 @@ class LoadOptions:
             for the cold settings only.
         headroom_bytes: device memory that must stay free after the weights
             (activations, the KV cache); the load is refused up front otherwise.
+        hold_for_first_launches: read by a replica (``LLMServer``), not here: where the
+            engine is built beside the load and the weights are in the page cache, the
+            load's reads wait until the engine's first eager decode launches are done
+            (``Engine.start``'s ``first_launched``), which load their kernels; beside the
+            copies, the batch-1 launch took 0.41-0.84 s on an H200 host against 0.18-0.24 s
+            after the load (bench/results/runs/first-launch-beside-load.json). Off until a
+            replica's whole start is measured with it.
     """
 
     # From the page cache, 8 threads x 4 MiB was the fastest of 8/16/24 threads x
@@ -45,6 +52,7 @@ class LoadOptions:
     trickle: bool = True
     direct_io: bool = False
     cold_direct_io: bool = False
+    hold_for_first_launches: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
