@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -221,6 +222,17 @@ def _key(*parts: str) -> str:
     return "_".join(parts).replace("-", "_")
 
 
+def paired(runs_s: dict[str, list[float]], ours: str, floor: str) -> list[float] | None:
+    """``ours`` - ``floor`` in each round of the run (the kinds are deployed in turn, round after
+    round), where both were deployed in at least three rounds: a host that slows down or speeds
+    up over the run (Ray's worker start drifted by 2 s within one) shifts both alike, where the
+    difference of the two medians mixes rounds."""
+    a, b = runs_s.get(ours), runs_s.get(floor)
+    if not a or not b or len(a) != len(b) or len(a) < 3:
+        return None
+    return [x - y for x, y in zip(a, b)]
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median deploy -> warm time (the lower middle one of an even count)."""
     return sorted(runs, key=lambda r: r["deploy_to_warm_s"])[(len(runs) - 1) // 2]
@@ -291,6 +303,16 @@ def goal_lines(s: dict) -> list[str]:
         if d is not None:
             lines.append(f"- warm: {ours} = {floor} {'+' if d >= 0 else '-'} {abs(d):.2f} s "
                          f"({goal}: {'met' if d <= 2 else 'not met'})")
+    for ours, floor, _ in MINUS:
+        d = s.get(_key(ours, "minus", floor, "warm", "rounds", "s"))
+        if d:
+            m = statistics.median(d)
+            lines.append(f"- warm, round by round: {ours} - {floor} = "
+                         + ", ".join(f"{x:+.2f}" for x in d) + f" s; median {m:+.2f} s "
+                         f"({'within' if m <= 2 else 'over'} the + 2 s goal)")
+    for kind, d in s.get("variants_minus_coldstart_warm_rounds_s", {}).items():
+        lines.append(f"- warm, round by round: {kind} - coldstart = " + ", ".join(f"{x:+.2f}" for x in d)
+                     + f" s; median {statistics.median(d):+.2f} s (a variant against the default)")
     for ours, floor, goal in OVER:
         r = s.get(_key(ours, "over", floor, "warm"))
         if r is not None:
@@ -403,6 +425,15 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         for ours, floor, _ in OVER:
             if ours in r and floor in r:
                 summary[_key(ours, "over", floor, cache)] = r[ours]["deploy_to_warm_s"] / r[floor]["deploy_to_warm_s"]
+        rounds = res.get(f"{cache}_runs_s", {})
+        for ours, floor, _ in MINUS:  # and round by round, where both were deployed in every round
+            d = paired(rounds, ours, floor)
+            if d:
+                summary[_key(ours, "minus", floor, cache, "rounds", "s")] = d
+        for kind in rounds:  # a variant (--variant NAME: kind coldstart-NAME) against the default
+            d = paired(rounds, kind, "coldstart") if kind.startswith("coldstart-") else None
+            if d and kind not in (ours for ours, _, _ in MINUS):
+                summary.setdefault(f"variants_minus_coldstart_{cache}_rounds_s", {})[kind] = d
     # a variant (--variant) may compute otherwise (torch kernels instead of Triton's): only the
     # default replica's starts are held to one answer
     answers = [a["token_ids"] for a in res.get("answers", []) if a["kind"] in SAME_ANSWER]
@@ -430,7 +461,11 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         for k, ts in res.get(f"{cache}_runs_s", {}).items():
             md.append(f"{k}, {cache} cache: {len(ts)} deploys, {', '.join(f'{t:.2f}' for t in ts)} s; the median counts.")
     md += [""] + goal_lines(summary)
-    md += ["", json.dumps({k: v if isinstance(v, bool) else round(v, 3) for k, v in summary.items() if k != "command"}), "",
+    def rounded(v: object) -> object:
+        if isinstance(v, dict):
+            return {k: rounded(x) for k, x in v.items()}
+        return v if isinstance(v, bool) else [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3)
+    md += ["", json.dumps({k: rounded(v) for k, v in summary.items() if k != "command"}), "",
            f"Command: `{command}`", ""]
     (out / "serve.md").write_text("\n".join(md))
     print("\n".join(md))

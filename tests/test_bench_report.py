@@ -161,3 +161,52 @@ def test_the_minimal_replica_with_the_bytecode_cache_is_a_second_floor(partial, 
     assert "coldstart = minimal - 0.50 s (goal: + 2 s or less: met)" in md
     assert "coldstart = minimal-cached - 2.00 s (the same goal against a floor" in md
     assert "cold: coldstart 16.00 s vs minimal-cached + the disk's time = 15.70 s: not met" in md
+
+
+def test_round_by_round_differences_cancel_the_hosts_drift(partial, tmp_path, monkeypatch):
+    """Kinds deployed in turn for several rounds: each round's difference is reported too, and
+    their median, beside the difference of the medians (which here mixes a slow and a fast round)."""
+    from bench import serve as bench_serve
+
+    res = json.loads(partial.read_text())
+    res["warm_runs_s"] = {"minimal": [9.0, 8.0, 6.0], "coldstart": [10.5, 9.0, 7.0],
+                          "transformers": [18.0]}
+    partial.write_text(json.dumps(res))
+    out = tmp_path / "results"
+    monkeypatch.setattr(sys, "argv", ["serve.py", "--from-partial", str(partial), "--out", str(out)])
+    bench_serve.main()
+    s = json.loads((out / "serve.json").read_text())
+    assert s["coldstart_minus_minimal_warm_rounds_s"] == pytest.approx([1.5, 1.0, 1.0])
+    assert "coldstart_minus_minimal_cached_warm_rounds_s" not in s  # no minimal-cached rounds
+    md = (out / "serve.md").read_text()
+    assert "- warm, round by round: coldstart - minimal = +1.50, +1.00, +1.00 s; median +1.00 s " \
+           "(within the + 2 s goal)" in md
+    assert "coldstart = minimal + 3.00 s (goal: + 2 s or less: not met)" in md  # the medians' line stays
+
+
+def test_a_variant_is_compared_with_the_default_round_by_round(partial, tmp_path, monkeypatch):
+    from bench import serve as bench_serve
+
+    res = json.loads(partial.read_text())
+    res["warm"]["coldstart-hold"] = _run(9.0, ray_and_process=3.5, imports=3.4, load=0.5, engine=1.0, warmup=0.6)
+    res["warm_runs_s"] = {"coldstart": [10.5, 9.0, 7.0], "coldstart-hold": [10.0, 8.0, 7.5],
+                          "coldstart-worker-cached": [8.0, 7.0, 6.0]}
+    partial.write_text(json.dumps(res))
+    out = tmp_path / "results"
+    monkeypatch.setattr(sys, "argv", ["serve.py", "--from-partial", str(partial), "--out", str(out)])
+    bench_serve.main()
+    s = json.loads((out / "serve.json").read_text())
+    v = s["variants_minus_coldstart_warm_rounds_s"]
+    assert v["coldstart-hold"] == pytest.approx([-0.5, -1.0, 0.5])
+    assert "coldstart-worker-cached" not in v  # compared with its own floor
+    md = (out / "serve.md").read_text()
+    assert "- warm, round by round: coldstart-hold - coldstart = -0.50, -1.00, +0.50 s; median -0.50 s" in md
+
+
+def test_rounds_need_three_of_each():
+    from bench.serve import paired
+
+    assert paired({"a": [1.0, 2.0], "b": [0.5, 1.0]}, "a", "b") is None
+    assert paired({"a": [1.0, 2.0, 3.0], "b": [0.5, 1.0]}, "a", "b") is None
+    assert paired({"a": [1.0, 2.0, 3.0]}, "a", "b") is None
+    assert paired({"a": [1.0, 2.0, 3.0], "b": [0.5, 1.0, 4.0]}, "a", "b") == [0.5, 1.0, -1.0]
