@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -83,6 +83,13 @@ for stage in "$@"; do
                --variant after='{"env": {"COLDSTART_BUILD_DURING_LOAD": "0"}}' \
                > "$out/serve-beside-load.log" 2>&1; r=$?
              grep -E "warm after|deploys|^- " "$out/serve-beside-load.log"; (exit $r) ;;
+    serve-cold-trickle) # a cold replica's trickle at 1 MiB (default), 4 MiB and off, three rounds
+             # beside the cached floor, with this run's own disk figure
+             python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches cold --repeat 3 \
+               --variant trickle4='{"load": {"trickle_read_bytes": 4194304}}' \
+               --variant notrickle='{"load": {"trickle": false}}' \
+               > "$out/serve-cold-trickle.log" 2>&1; r=$?
+             grep -E "warm after|deploys|^- " "$out/serve-cold-trickle.log"; (exit $r) ;;
     startsplit) # where coldstart's warm start goes beyond the minimal replica's: the imports'
              # source compiles (twice: whether the first run's .pyc files are found), the engine's
              # start outside Ray, then in Ray beside the minimal replica with one part left out at a time

@@ -310,9 +310,10 @@ def goal_lines(s: dict) -> list[str]:
             lines.append(f"- warm, round by round: {ours} - {floor} = "
                          + ", ".join(f"{x:+.2f}" for x in d) + f" s; median {m:+.2f} s "
                          f"({'within' if m <= 2 else 'over'} the + 2 s goal)")
-    for kind, d in s.get("variants_minus_coldstart_warm_rounds_s", {}).items():
-        lines.append(f"- warm, round by round: {kind} - coldstart = " + ", ".join(f"{x:+.2f}" for x in d)
-                     + f" s; median {statistics.median(d):+.2f} s (a variant against the default)")
+    for cache in ("warm", "cold"):
+        for kind, d in s.get(f"variants_minus_coldstart_{cache}_rounds_s", {}).items():
+            lines.append(f"- {cache}, round by round: {kind} - coldstart = " + ", ".join(f"{x:+.2f}" for x in d)
+                         + f" s; median {statistics.median(d):+.2f} s (a variant against the default)")
     for ours, floor, goal in OVER:
         r = s.get(_key(ours, "over", floor, "warm"))
         if r is not None:

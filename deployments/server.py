@@ -76,7 +76,7 @@ def _start_trickle(path: Any, gpu: bool, opts: LoadOptions) -> bool:
         return False  # (O_DIRECT reads would not use what it read)
     if not is_cold(path):
         return False
-    started = trickle(path) is not None
+    started = trickle(path, opts.trickle_read_bytes) is not None
     if started:
         log.info("%s: weights not in the page cache; reading them one piece at a time until "
                  "the engine is built", path)

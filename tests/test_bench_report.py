@@ -201,6 +201,7 @@ def test_a_variant_is_compared_with_the_default_round_by_round(partial, tmp_path
     assert "coldstart-worker-cached" not in v  # compared with its own floor
     md = (out / "serve.md").read_text()
     assert "- warm, round by round: coldstart-hold - coldstart = -0.50, -1.00, +0.50 s; median -0.50 s" in md
+    assert "- cold, round by round" not in md  # no cold rounds in this run
 
 
 def test_rounds_need_three_of_each():

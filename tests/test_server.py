@@ -80,6 +80,26 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
     assert readahead.stop_trickle(d) is False
 
 
+def test_the_trickle_reads_pieces_of_the_size_asked(tiny_packed, tmp_path):
+    import shutil
+
+    from deployments.doctor import drop_page_cache
+    from weights import readahead
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_packed, d)
+    drop_page_cache([d / "model.cst"])
+    if not readahead.is_cold(d):
+        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    assert _start_trickle(d, True, LoadOptions(trickle_read_bytes=4 << 20)) is True
+    helper = readahead.trickle(d)
+    assert helper.args[-2] == str(4 << 20)  # (the helper's argv: code, file, piece, limit)
+    assert helper.wait(timeout=60) == 0
+    readahead.stop_trickle(d)
+    with pytest.raises(ValueError, match="trickle_read_bytes"):
+        LoadOptions(trickle_read_bytes=1000)
+
+
 def test_startup_phases_recorded(server):
     phases = server.timer.as_dict()
     for name in ("imports", "context", "open", "verify", "load", "engine", "constructor", "engine_model",

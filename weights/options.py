@@ -23,6 +23,12 @@ class LoadOptions:
         trickle: read by a replica (``LLMServer``), not here: when most of the file is not
             in the page cache, the replica trickles it in (``weights.readahead.trickle``)
             from its first instant and holds this load's reads until its engine is built.
+        trickle_read_bytes: the trickle's one read at a time (a multiple of 4096). A page
+            fault of the imports beside it waits for one such read at most; a larger one
+            reads more of the file before the bulk read starts (the trickle read about a
+            fifth of a 13.5 GB file during a cold replica's imports and build on an H200
+            host's network disk at 1 MiB, bench/results/serve.json). Not yet measured at
+            other sizes.
         direct_io: read with O_DIRECT, past the page cache (falls back to buffered
             reads where the filesystem refuses it); ``cold_direct_io`` turns it on
             for the cold settings only.
@@ -50,6 +56,7 @@ class LoadOptions:
     headroom_bytes: int = 0
     readahead: bool = True
     trickle: bool = True
+    trickle_read_bytes: int = 1 << 20
     direct_io: bool = False
     cold_direct_io: bool = False
     hold_for_first_launches: bool = False
@@ -57,7 +64,7 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads={self.threads} must be at least 1")
-        for name in ("read_bytes", "cold_read_bytes"):
+        for name in ("read_bytes", "cold_read_bytes", "trickle_read_bytes"):
             v = getattr(self, name)
             if v < 4096 or v % 4096:
                 raise ValueError(f"{name}={v} must be a positive multiple of 4096")
