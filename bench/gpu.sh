@@ -31,7 +31,9 @@ for stage in "$@"; do
              grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
     serve-warm|serve-add-cold) # the serve stage in two device calls: every kind with a warm page
              # cache, then (on the same machine) with a cold one, added to the first call's report
-             if [ $stage = serve-warm ]; then a="--caches warm"; else a="--caches cold --merge $W/serve-partial.json"; fi
+             # (warm: five rounds, ~460 s, since a host's Ray worker start drifts by seconds within a
+             # run; cold: three, which already take ~370 s of the call's 600)
+             if [ $stage = serve-warm ]; then a="--caches warm --repeat 5"; else a="--caches cold --merge $W/serve-partial.json"; fi
              # (SERVE_EXTRA: more arguments, e.g. --variant NAME=JSON without spaces)
              python3 bench/serve.py --out "$out" --report "$out" $a ${SERVE_EXTRA:-} > "$out/$stage.log" 2>&1; r=$?
              grep -E "warm after|^- " "$out/$stage.log"; (exit $r) ;;
