@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shutil
 import sys
 import textwrap
@@ -237,7 +238,8 @@ def env_verdict(env: Mapping[str, str]) -> tuple[str, str, str]:
         warns.append(f"PYTORCH_ALLOC_CONF={new!r} and PYTORCH_CUDA_ALLOC_CONF={old!r} disagree "
                      "(torch reads the new name first)")
         actions.append("set only one of them")
-    if conf and "max_split_size_mb" in conf and "expandable_segments:True" not in conf:
+    # torch's parser drops spaces and takes only "True": "max_split_size_mb:128, expandable_segments : True" is on
+    if conf and "max_split_size_mb" in conf and not re.search(r"expandable_segments\s*:\s*True", conf):
         warns.append("max_split_size_mb without expandable_segments: fragmentation is better "
                      "fixed by expandable segments than by capping block splits")
         actions.append("use expandable_segments:True")

@@ -341,6 +341,11 @@ def test_env_warnings(env, needle, fix):
     assert needle in detail and fix in action
 
 
+def test_expandable_segments_with_spaces_counts_as_on():
+    status, _, action = doctor.env_verdict({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments : True"})
+    assert (status, action) == ("ok", "")
+
+
 def test_recommended_env_is_ok():
     env = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     status, detail, action = doctor.env_verdict(env)
