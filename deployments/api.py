@@ -167,7 +167,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def openai_finish(reason: str | None) -> str | None:
-    # OpenAI knows "stop" and "length"; a cancelled or failed request reports "stop"
+    # OpenAI knows "stop" and "length" (a failed request gets an error instead, LLMServer._stream;
+    # a request its client cancelled has nobody left to read its "stop")
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 

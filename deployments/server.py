@@ -47,6 +47,25 @@ class NotWarm(RuntimeError):
     pass
 
 
+class Unfinished(RuntimeError):
+    """A request that ended without its answer, as its client hears it: ``status`` 500 where the
+    engine failed it, 503 (retry) where the replica stopped under it."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def unfinished(handle: Any) -> Unfinished | None:
+    """Why ``handle``'s request ended without its answer; None when it finished, or when its
+    own client cancelled it (nobody is left to tell)."""
+    if handle.finish_reason == "error":
+        return Unfinished(f"generation failed: {handle.error!r}", 500)
+    if handle.finish_reason == "cancelled" and not handle.cancelled:
+        return Unfinished("the replica stopped before the generation finished; retry", 503)
+    return None
+
+
 def import_engine(device: str, timer: PhaseTimer | None = None) -> None:
     """A replica's imports once its trickle is started (the rest of its "imports" phase, which
     bench/cold_import.py times in a fresh process): Triton's import and per-process set-up on a
@@ -291,7 +310,8 @@ class LLMServer:
                           {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None)
         except RuntimeError as e:  # one request failed inside the engine; the replica goes on
             log.error("request failed: %s", e)
-            resp = _error(str(e), 500)
+            status = getattr(e, "status", 500)
+            resp = _error(str(e), status, {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
         resp.headers["x-coldstart-replica"] = self.replica_id
         return resp
 
@@ -319,8 +339,9 @@ class LLMServer:
             if not handle.done:
                 handle.cancel()  # the caller went away: free the slot
             self._account(handle)
-        if handle.finish_reason == "error":
-            raise RuntimeError(f"generation failed: {handle.error!r}")
+        failed = unfinished(handle)
+        if failed is not None:
+            raise failed
         return "".join(text), ids, handle.finish_reason
 
     def _account(self, handle) -> None:
@@ -331,9 +352,23 @@ class LLMServer:
         self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, handle.queue_wait_s)
 
     async def _stream(self, handle, render: Callable[[Any], bytes | None],
-                      tail: Callable[[Any], bytes] | None = None) -> AsyncIterator[bytes]:
+                      tail: Callable[[Any], bytes] | None = None,
+                      fail: Callable[[Unfinished], bytes] | None = None) -> AsyncIterator[bytes]:
+        """The response body of a streamed request: ``render`` per chunk, then ``tail``. A request
+        that ends without its answer (``unfinished``) ends with ``fail`` instead (SSE: an error
+        event, which the ``openai`` client raises as an APIError), never with a finish reason
+        that reads as a normal end."""
+        from deployments.request import Chunk
         try:
             async for ch in handle:
+                failed = unfinished(handle) if ch.finish_reason is not None else None
+                if failed is not None:
+                    log.error("streamed request failed: %s", failed)
+                    piece = render(Chunk(ch.token_ids, ch.text, None)) if ch.text or ch.token_ids else None
+                    if piece:
+                        yield piece
+                    yield (fail or _sse_fail)(failed)
+                    return
                 piece = render(ch)
                 if piece:
                     yield piece
@@ -352,7 +387,11 @@ class LLMServer:
             def render(ch) -> bytes:
                 return (json.dumps({"text": ch.text, "token_ids": ch.token_ids,
                                     "finish_reason": ch.finish_reason}) + "\n").encode()
-            return StreamingResponse(self._stream(handle, render), media_type="application/x-ndjson")
+
+            def fail(e: Unfinished) -> bytes:  # the last line: finish_reason "error" and why
+                return (json.dumps({"text": "", "token_ids": [], "finish_reason": "error",
+                                    **api.error_body(str(e), e.status)}) + "\n").encode()
+            return StreamingResponse(self._stream(handle, render, fail=fail), media_type="application/x-ndjson")
         text, out, reason = await self._run(handle)
         return JSONResponse({"text": text, "token_ids": out, "finish_reason": reason,
                              "usage": api.usage(len(ids), len(out)),
@@ -486,6 +525,11 @@ def run_warmup(engine: Any, plan: WarmupPlan, seed: list[int]) -> None:
                 _, _, reason = h.result()
                 if reason == "error":
                     raise RuntimeError(f"warm-up request failed: {h.error!r}")
+
+
+def _sse_fail(e: Unfinished) -> bytes:
+    """An SSE stream's end for a request that failed: an error event, then [DONE]."""
+    return api.sse(api.error_body(str(e), e.status)) + api.sse("[DONE]")
 
 
 def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:

@@ -216,6 +216,84 @@ def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
     assert msg in r.json()["error"]["message"]
 
 
+def test_a_prompt_the_model_overflows_on_gets_a_500_that_says_so(client, server):
+    """NaN/inf logits (here: the prompt's tokens' embeddings are inf) end that request with a
+    500 naming the cause and what to do, on /generate and streamed; the replica serves on."""
+    import torch
+
+    ids = server.tokenizer.encode("zz")
+    emb = server.model.model.embed_tokens.weight
+    saved = emb[ids].clone()
+    ok = client.post("/generate", json={"prompt": "zz", "max_new_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200
+    try:
+        with torch.no_grad():
+            emb[ids] = float("inf")
+        r = client.post("/generate", json={"prompt": "zz", "max_new_tokens": 4, "temperature": 0})
+        assert r.status_code == 500
+        assert "not finite" in r.json()["error"]["message"] and "bfloat16" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={"prompt": "zz", "max_tokens": 4, "stream": True}) as s:
+            events = [ln[len("data: "):] for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"finish_reason"' not in "".join(events)  # no normal end
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 500 and "not finite" in err["message"]
+        with client.stream("POST", "/generate", json={"prompt": "zz", "max_new_tokens": 4, "stream": True}) as s:
+            last = json.loads(list(s.iter_lines())[-1])
+        assert last["finish_reason"] == "error" and "not finite" in last["error"]["message"]
+        import openai  # the official client raises on the error event, as on the 500
+        oai = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=client, max_retries=0)
+        with pytest.raises(openai.APIError, match="not finite"):
+            list(oai.completions.create(model="tiny", prompt="zz", max_tokens=4, stream=True))
+        with pytest.raises(openai.InternalServerError, match="not finite"):
+            oai.completions.create(model="tiny", prompt="zz", max_tokens=4)
+    finally:
+        with torch.no_grad():
+            emb[ids] = saved
+    again = client.post("/generate", json={"prompt": "zz", "max_new_tokens": 4, "temperature": 0})
+    assert again.status_code == 200 and again.json()["token_ids"] == ok.json()["token_ids"]
+
+
+def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
+    """A replica that stops (its engine shut down) while a request generates: the client gets a
+    503 with Retry-After, not a 200 with a truncated answer; streamed, an error event."""
+    import threading
+    import time
+
+    s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 1024})
+
+    async def asgi(scope, receive, send):
+        resp = await s(Request(scope, receive))
+        await resp(scope, receive, send)
+    c = TestClient(asgi)
+    try:
+        s.reconfigure({"warmup": {"requests": 1}})
+        out: dict = {}
+
+        def ask(kind: str, **kw) -> None:
+            if kind == "plain":
+                out[kind] = c.post("/generate", json={"prompt": "go", "max_new_tokens": 1000, "ignore_eos": True})
+            else:
+                with c.stream("POST", "/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "go"}], "max_tokens": 1000, "stream": True}) as r:
+                    out[kind] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        threads = [threading.Thread(target=ask, args=(k,)) for k in ("plain", "stream")]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while s.engine.stats()["running"] < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        s.shutdown()
+        for t in threads:
+            t.join(timeout=30)
+        r = out["plain"]
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert "replica stopped before the generation finished" in r.json()["error"]["message"]
+        err = json.loads(out["stream"][-2][len("data: "):])["error"]
+        assert err["code"] == 503 and "retry" in err["message"]
+    finally:
+        s.shutdown()
+
+
 def test_wrong_method(client):
     r = client.get("/generate")
     assert r.status_code == 405 and "use POST" in r.json()["error"]["message"]
