@@ -347,7 +347,8 @@ class LLMServer:
     def _account(self, handle) -> None:
         # a client that went away has cancelled its handle; the engine may not have seen it yet
         status = ("cancelled" if handle.cancelled and handle.finish_reason in (None, "cancelled")
-                  else "error" if handle.finish_reason == "error" else "ok")
+                  else "error" if handle.finish_reason == "error"
+                  else "stopped" if handle.finish_reason == "cancelled" else "ok")  # (the replica stopped)
         self.metrics.request(status)
         self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, handle.queue_wait_s)
 

@@ -290,6 +290,7 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
         assert "replica stopped before the generation finished" in r.json()["error"]["message"]
         err = json.loads(out["stream"][-2][len("data: "):])["error"]
         assert err["code"] == 503 and "retry" in err["message"]
+        assert s.metrics.requests["stopped"] == 2  # counted apart from "ok" (the dashboard's error ratio)
     finally:
         s.shutdown()
 
