@@ -5,9 +5,10 @@ draw is per row, so that a seeded request gives the same tokens whatever else
 is in the batch. The draw uses the exponential race (argmax p / E, E ~ Exp(1)),
 which samples exactly from p with a single argmax.
 
-A row whose logits are not all finite (the model overflowed its dtype: NaN or inf)
-gets None instead of a token: an argmax over NaN picks an arbitrary token, which
-would stream as if it were an answer.
+A row whose largest logit is not finite (the model overflowed its dtype: a NaN or +inf
+anywhere, or every logit -inf) gets None instead of a token: an argmax over NaN picks
+an arbitrary token, which would stream as if it were an answer. Some -inf logits beside
+finite ones (tokens a checkpoint bans) are fine.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ def sample(
 ) -> list[int | None]:
     """logits: [R, V]; one entry per row in the other arguments. temperature 0 = greedy.
 
-    Returns the sampled token ids, None for a row whose logits are not all finite (one
+    Returns the sampled token ids, None for a row whose largest logit is not finite (one
     device->host sync).
     """
     R, V = logits.shape
-    finite = torch.isfinite(logits).all(dim=-1)  # [R]
+    finite = torch.isfinite(logits.amax(dim=-1))  # [R]; amax propagates NaN
     out = logits.argmax(dim=-1)  # [R]; greedy rows are done
     rows = [i for i in range(R) if temperature[i] > 0]
     if not rows:

@@ -259,13 +259,16 @@ def test_a_finished_request_leaves_its_slot_zeroed(engine):
 
 
 def test_sample_gives_no_token_for_non_finite_rows():
-    logits = torch.randn(4, 10)
+    logits = torch.randn(6, 10)
     logits[1, 3] = float("nan")
     logits[2, 0] = float("inf")
-    gens = [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
-    toks = sample(logits, [0.0, 0.0, 0.7, 0.7], [1.0] * 4, [0] * 4, gens)
-    assert toks[0] == int(logits[0].argmax()) and toks[1] is None and toks[2] is None
+    logits[4, :] = float("-inf")
+    logits[5, :4] = float("-inf")  # banned tokens beside finite ones: a normal row
+    gens = [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None, None]
+    toks = sample(logits, [0.0, 0.0, 0.7, 0.7, 0.0, 0.0], [1.0] * 6, [0] * 6, gens)
+    assert toks[0] == int(logits[0].argmax()) and toks[1] is None and toks[2] is None and toks[4] is None
     assert isinstance(toks[3], int) and 0 <= toks[3] < 10
+    assert toks[5] == int(logits[5].argmax()) and toks[5] >= 4
 
 
 def test_device_error_kills_the_loop():
