@@ -230,24 +230,30 @@ def test_one_bad_request_does_not_kill_the_loop(engine):
     assert eng.generate([7], SamplingParams(max_new_tokens=3, **GREEDY))[2] == "length"
 
 
-def test_non_finite_logits_fail_the_request_and_leave_no_trace(engine):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_non_finite_logits_fail_the_request_and_leave_no_trace(device):
     """A prompt the model overflows on (here: one token's embedding is inf) fails with a message
     that says so, instead of streaming the arbitrary tokens an argmax over NaN picks; and the
     NaN keys and values it wrote do not reach the next requests in its slot, alone or batched
-    (a multi-row step multiplies masked values too)."""
-    eng, _ = engine
-    clean = [[3, 5, 7], [2, 4, 6, 8]]
-    params = SamplingParams(max_new_tokens=8, **GREEDY)
-    before = [eng.generate(p, params)[0] for p in clean]
-    with torch.no_grad():
-        eng.model.model.embed_tokens.weight[90] = float("inf")
-    h = eng.submit([90] * 20, SamplingParams(max_new_tokens=4, **GREEDY))  # longer than the clean prompts
-    assert h.result(timeout=30)[2] == "error"
-    assert isinstance(h.error, NonFiniteLogits) and "not finite" in str(h.error) and "bfloat16" in str(h.error)
-    assert eng.alive()
-    assert [eng.generate(p, params)[0] for p in clean] == before
-    hs = [eng.submit(p, params) for p in clean]  # two rows in one decode step, slots 0 and 1
-    assert [x.result(timeout=30)[0] for x in hs] == before
+    (a multi-row step multiplies masked values too). On CUDA: through the decode graphs and,
+    where Triton runs, its kernels."""
+    eng, _ = make_engine(device=device)
+    try:
+        clean = [[3, 5, 7], [2, 4, 6, 8]]
+        params = SamplingParams(max_new_tokens=8, **GREEDY)
+        before = [eng.generate(p, params)[0] for p in clean]
+        with torch.no_grad():
+            eng.model.model.embed_tokens.weight[90] = float("inf")
+        h = eng.submit([90] * 20, SamplingParams(max_new_tokens=4, **GREEDY))  # longer than the clean prompts
+        assert h.result(timeout=30)[2] == "error"
+        assert isinstance(h.error, NonFiniteLogits) and "not finite" in str(h.error) and "bfloat16" in str(h.error)
+        assert eng.alive()
+        assert [eng.generate(p, params)[0] for p in clean] == before
+        hs = [eng.submit(p, params) for p in clean]  # two rows in one decode step, slots 0 and 1
+        assert [x.result(timeout=30)[0] for x in hs] == before
+    finally:
+        eng.shutdown()
 
 
 def test_a_finished_request_leaves_its_slot_zeroed(engine):
