@@ -49,20 +49,21 @@ class NotWarm(RuntimeError):
 
 class Unfinished(RuntimeError):
     """A request that ended without its answer, as its client hears it: ``status`` 500 where the
-    engine failed it, 503 (retry) where the replica stopped under it."""
+    engine failed it, 503 (retry) where the replica stopped under it; ``kind``, the status its
+    request is counted under in the metrics ("error", "stopped")."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, kind: str):
         super().__init__(message)
-        self.status = status
+        self.status, self.kind = status, kind
 
 
 def unfinished(handle: Any) -> Unfinished | None:
     """Why ``handle``'s request ended without its answer; None when it finished, or when its
     own client cancelled it (nobody is left to tell)."""
     if handle.finish_reason == "error":
-        return Unfinished(f"generation failed: {handle.error!r}", 500)
+        return Unfinished(f"generation failed: {handle.error!r}", 500, "error")
     if handle.finish_reason == "cancelled" and not handle.cancelled:
-        return Unfinished("the replica stopped before the generation finished; retry", 503)
+        return Unfinished("the replica stopped before the generation finished; retry", 503, "stopped")
     return None
 
 
@@ -306,12 +307,10 @@ class LLMServer:
             resp = await handler(request)
         except api.BadRequest as e:
             self.metrics.request("bad_request")
-            resp = _error(str(e), e.status,
-                          {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None)
+            resp = _error(str(e), e.status)
         except RuntimeError as e:  # one request failed inside the engine; the replica goes on
             log.error("request failed: %s", e)
-            status = getattr(e, "status", 500)
-            resp = _error(str(e), status, {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
+            resp = _error(str(e), getattr(e, "status", 500))
         resp.headers["x-coldstart-replica"] = self.replica_id
         return resp
 
@@ -346,9 +345,9 @@ class LLMServer:
 
     def _account(self, handle) -> None:
         # a client that went away has cancelled its handle; the engine may not have seen it yet
+        failed = unfinished(handle)
         status = ("cancelled" if handle.cancelled and handle.finish_reason in (None, "cancelled")
-                  else "error" if handle.finish_reason == "error"
-                  else "stopped" if handle.finish_reason == "cancelled" else "ok")  # (the replica stopped)
+                  else "ok" if failed is None else failed.kind)
         self.metrics.request(status)
         self.metrics.finished(handle.ttft_s, handle.decode_tokens_per_s, handle.queue_wait_s)
 
@@ -459,7 +458,7 @@ class LLMServer:
 
     async def _health(self, request: Request) -> Response:
         if not self.warm:
-            return _error("warming up", 503, {"Retry-After": str(RETRY_AFTER_S)})
+            return _error("warming up", 503)
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def _fault(self, request: Request) -> Response:
@@ -533,5 +532,7 @@ def _sse_fail(e: Unfinished) -> bytes:
     return api.sse(api.error_body(str(e), e.status)) + api.sse("[DONE]")
 
 
-def _error(message: str, status: int, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(api.error_body(message, status), status_code=status, headers=headers)
+def _error(message: str, status: int) -> JSONResponse:
+    """An error response; a 503 (warming up, overloaded, stopped: try again) says when, in Retry-After."""
+    return JSONResponse(api.error_body(message, status), status_code=status,
+                        headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
