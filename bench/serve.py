@@ -419,18 +419,17 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         r = res.get(cache, {})
         for kind, v in r.items():
             summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
+        rounds = res.get(f"{cache}_runs_s", {})
         for ours, floor, _ in MINUS:  # against each floor measured in the run
             if ours in r and floor in r:
                 summary[_key(ours, "minus", floor, cache, "s")] = (
                     r[ours]["deploy_to_warm_s"] - r[floor]["deploy_to_warm_s"])
+            d = paired(rounds, ours, floor)  # and round by round, where both were deployed in every round
+            if d:
+                summary[_key(ours, "minus", floor, cache, "rounds", "s")] = d
         for ours, floor, _ in OVER:
             if ours in r and floor in r:
                 summary[_key(ours, "over", floor, cache)] = r[ours]["deploy_to_warm_s"] / r[floor]["deploy_to_warm_s"]
-        rounds = res.get(f"{cache}_runs_s", {})
-        for ours, floor, _ in MINUS:  # and round by round, where both were deployed in every round
-            d = paired(rounds, ours, floor)
-            if d:
-                summary[_key(ours, "minus", floor, cache, "rounds", "s")] = d
         for kind in rounds:  # a variant (--variant NAME: kind coldstart-NAME) against the default
             d = paired(rounds, kind, "coldstart") if kind.startswith("coldstart-") else None
             if d and kind not in (ours for ours, _, _ in MINUS):
