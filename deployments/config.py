@@ -101,7 +101,7 @@ class DeploymentArgs:
     """EngineConfig fields: max_slots, max_seq_len, prefill_chunk, cuda_graphs, ..."""
     load: dict = field(default_factory=dict)
     """LoadOptions fields: threads, read_bytes, cold_threads, cold_read_bytes, verify, readahead,
-    trickle, trickle_read_bytes, direct_io, cold_direct_io, hold_for_first_launches, ..."""
+    trickle, trickle_read_bytes, direct_io, cold_direct_io, ..."""
     fault_injection: bool = False
     """Enable POST /admin/fault for drills (stops the engine loop so health checks fail)."""
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -206,17 +206,13 @@ class Engine:
                        "first_launch_s": 0.0, "first_prefill_s": 0.0, "batched_prefills": 0}
 
     # ---------------------------------------------------------------- public
-    def start(self, first_launched: Callable[[], None] | None = None) -> None:
+    def start(self) -> None:
         """Capture CUDA graphs (if enabled), start the loop thread and wait until it has run
-        every prefill shape once (``_first_prefills``). ``first_launched`` is called once
-        the first eager decode launches are done (before the capture; at once without
-        graphs): a caller that holds other device work back while they load their kernels."""
+        every prefill shape once (``_first_prefills``)."""
         if self._thread is not None:
             return
         if self._use_graphs:
-            self._capture(first_launched)
-        elif first_launched is not None:
-            first_launched()
+            self._capture()
         # Everything made so far (modules, the model, the graphs) lives as long as the process:
         # move it out of the garbage collector's generations, so that a collection the first
         # requests trigger does not walk the whole start-up heap (~0.1 s with Ray and torch)
@@ -343,7 +339,7 @@ class Engine:
         return self.model.decode(inp[0], inp[1], inp[2] != 0, self.cache, L)
 
     @torch.inference_mode()
-    def _capture(self, first_launched: Callable[[], None] | None = None) -> None:
+    def _capture(self) -> None:
         """One CUDA graph per (batch bucket, kv-length bucket), largest first, sharing one memory pool."""
         t0 = time.perf_counter()
         cfg = self.config
@@ -364,8 +360,6 @@ class Engine:
         torch.cuda.synchronize(self.device)
         self._stats["first_launch_s"] = time.perf_counter() - t0
         self._stats["first_launch_ms"] = each  # per batch size: the kernels it is the first to load
-        if first_launched is not None:
-            first_launched()
         for B in reversed(cfg.graph_batch_sizes):
             for L in reversed(cfg.kv_len_buckets):
                 g = torch.cuda.CUDAGraph()

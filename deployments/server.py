@@ -169,11 +169,7 @@ class LLMServer:
         # read they waited for all of it (the first kernel self-test took 6.9 s instead of
         # 0.4, bench/results/runs/serve-v6-build-beside-cold-read.json); the trickle, one
         # piece at a time, reads meanwhile.
-        # (load.hold_for_first_launches: a warm load waits for the engine's first launches instead;
-        # released by them below, or by the wait where the engine is not built beside the load)
-        hold_warm = (opts.hold_for_first_launches and self.device.type == "cuda" and not trickling
-                     and not is_cold(path))
-        pending = start_load(path, self.device, options=opts, timer=timer, hold=trickling or hold_warm)
+        pending = start_load(path, self.device, options=opts, timer=timer, hold=trickling)
         # The engine is built while the weights' bytes arrive: the model over the buffer's views,
         # the kernels' self-tests and GEMV choice (on their own inputs), the KV cache and the CUDA
         # graphs need the weights' shapes and addresses, never their values. Only a native model
@@ -183,7 +179,7 @@ class LLMServer:
         loaded = None if overlap else self._finish_load(pending, t0)
         with _gil_switch(_OVERLAP_SWITCH_S if overlap else None):
             try:
-                self._build_engine(pending, path, ecfg, pending.release if hold_warm else None)
+                self._build_engine(pending, path, ecfg)
             except BaseException:
                 if loaded is None:  # let the loader's threads end before the error unwinds the replica
                     pending.cancel()  # a held load reads nothing
@@ -216,10 +212,8 @@ class LLMServer:
         if self.args.fault_injection:
             self._routes[("POST", "/admin/fault")] = self._fault
 
-    def _build_engine(self, pending: Any, path: Any, ecfg: Any,
-                      first_launched: Callable[[], None] | None = None) -> None:
-        """Model over the load's tensor views, tokenizer, KV cache, CUDA graphs: phase engine.
-        ``first_launched``: for ``Engine.start``."""
+    def _build_engine(self, pending: Any, path: Any, ecfg: Any) -> None:
+        """Model over the load's tensor views, tokenizer, KV cache, CUDA graphs: phase engine."""
         from deployments.engine import Engine  # imported in the imports phase already (import_engine)
         from deployments.model import build_model
         from deployments.tokenizer import Tokenizer
@@ -234,7 +228,7 @@ class LLMServer:
             with timer.phase("engine_kv_cache"):
                 self.engine = Engine(self.model, self.tokenizer, ecfg)
             with timer.phase("engine_graphs"):  # first decode launches, graph capture, first prefills
-                self.engine.start(first_launched)
+                self.engine.start()
 
     def _finish_load(self, pending: Any, t0: float) -> Any:
         """Wait for the weights (re-raising a read or checksum error); record the load's phase:

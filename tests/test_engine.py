@@ -330,19 +330,6 @@ def test_async_consumer_cancelled_cancels_request():
         eng.shutdown()
 
 
-def test_first_launched_is_called_once_before_the_loop_serves():
-    """Without CUDA graphs there are no first eager launches: the callback runs at once, before
-    the loop thread starts (with graphs: tests/test_server.py's GPU hold test)."""
-    calls = []
-    eng, _ = make_engine(start=False)
-    try:
-        eng.start(lambda: calls.append(eng._thread))
-        assert calls == [None]
-        assert eng.generate([1, 2, 3], SamplingParams(max_new_tokens=3, **GREEDY))[2] == "length"
-    finally:
-        eng.shutdown()
-
-
 def test_stats_and_shutdown(engine):
     eng, _ = engine
     eng.generate([1, 2, 3], SamplingParams(max_new_tokens=5, **GREEDY))

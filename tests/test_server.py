@@ -369,9 +369,9 @@ def _greedy(server, prompt: str = "The answer is ", n: int = 12) -> list[int]:
                                   SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
 
 
-def _gpu_replica_run(path, load: dict | None = None) -> tuple:
+def _gpu_replica_run(path) -> tuple:
     """A GPU replica of ``path`` started, warmed and shut down: (its greedy output, its phases)."""
-    s = LLMServer(str(path), device="cuda", engine={"max_slots": 2, "max_seq_len": 128}, load=load or {})
+    s = LLMServer(str(path), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
     try:
         s.reconfigure({"warmup": {"requests": 1}})
         return _greedy(s), s.timer.as_dict()
@@ -413,17 +413,6 @@ def test_gpu_cold_replica_trickles_holds_its_load_and_serves_the_same(tiny_packe
     assert runs["cold"][0] == runs["warm"][0]
     assert "load_held" in runs["cold"][1] and "load_held" not in runs["warm"][1]
     assert readahead.stop_trickle(d) is False  # the loader ended it when its reads began
-
-
-@gpu
-def test_gpu_warm_load_held_for_the_first_launches_serves_the_same(tiny_packed):
-    """load.hold_for_first_launches: a warm load waits for the engine's first eager launches
-    (load_held), is released by them before the build ends, and the replica serves the same."""
-    plain = _gpu_replica_run(tiny_packed)
-    held = _gpu_replica_run(tiny_packed, {"hold_for_first_launches": True})
-    assert held[0] == plain[0]
-    assert "load_held" in held[1] and "load_held" not in plain[1]
-    assert held[1]["load_held"] < held[1]["engine"]  # released inside the build, not after it
 
 
 @gpu

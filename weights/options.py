@@ -25,22 +25,15 @@ class LoadOptions:
             from its first instant and holds this load's reads until its engine is built.
         trickle_read_bytes: the trickle's one read at a time (a multiple of 4096). A page
             fault of the imports beside it waits for one such read at most; a larger one
-            reads more of the file before the bulk read starts (the trickle read about a
-            fifth of a 13.5 GB file during a cold replica's imports and build on an H200
-            host's network disk at 1 MiB, bench/results/serve.json). Not yet measured at
-            other sizes.
+            reads more of the file before the bulk read starts but slows the imports: at
+            4 MiB a cold replica's start on an H200 host took 0.57 s longer than at 1 MiB
+            (median of three rounds), without the trickle 1.67 s longer
+            (bench/results/runs/serve-v15-cold-trickle.json).
         direct_io: read with O_DIRECT, past the page cache (falls back to buffered
             reads where the filesystem refuses it); ``cold_direct_io`` turns it on
             for the cold settings only.
         headroom_bytes: device memory that must stay free after the weights
             (activations, the KV cache); the load is refused up front otherwise.
-        hold_for_first_launches: read by a replica (``LLMServer``), not here: where the
-            engine is built beside the load and the weights are in the page cache, the
-            load's reads wait until the engine's first eager decode launches are done
-            (``Engine.start``'s ``first_launched``), which load their kernels; beside the
-            copies, the batch-1 launch took 0.41-0.84 s on an H200 host against 0.18-0.24 s
-            after the load (bench/results/runs/first-launch-beside-load.json). Off until a
-            replica's whole start is measured with it.
     """
 
     # From the page cache, 8 threads x 4 MiB was the fastest of 8/16/24 threads x
@@ -59,7 +52,6 @@ class LoadOptions:
     trickle_read_bytes: int = 1 << 20
     direct_io: bool = False
     cold_direct_io: bool = False
-    hold_for_first_launches: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:
