@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -61,6 +61,14 @@ for stage in "$@"; do
                --out "$out/start-profile-kept-engine.json" 2>&1 | tail -22
              COLDSTART_DECODE_ATTENTION=triton python3 bench/start_profile.py $W/packed --scope engine-start \
                --out "$out/start-profile-kept-triton-attention.json" 2>&1 | tail -2 ;;
+    firstlaunch) # the engine's first eager decode launches (batch 1: 0.3-0.4 s, batch 2: 0.25 s, the
+             # others 25-60 ms) under torch.profiler, as on a node that ran the model before; then the
+             # same start with CUDA's modules loaded when the context is made instead of at first use
+             python3 bench/start_profile.py $W/packed 2>&1 | tail -1
+             python3 bench/start_profile.py $W/packed --profiler torch --top 60 --out "$out/first-launch-torch-profile.json" \
+               2>&1 | grep -v METRIC | tail -28
+             CUDA_MODULE_LOADING=EAGER python3 bench/start_profile.py $W/packed --scope engine-start \
+               --out "$out/first-launch-eager-modules.json" 2>&1 | tail -2 ;;
     kvalloc) python3 bench/kv_alloc.py --out "$out/kv-alloc.json" ;;
     firstprefill) python3 bench/first_prefill.py $W/packed --out "$out/first-prefill.json" 2>&1 | grep -v METRIC | tail -12 ;;
     firstanatomy) python3 bench/first_prefill.py $W/packed --anatomy --out "$out/first-prefill-anatomy.json" 2>&1 \

@@ -12,7 +12,11 @@ cProfile records the main thread only up to Python 3.11, every thread from 3.12.
 engine-start`` profiles only while ``Engine.start`` runs (the first eager launches, the
 capture of the decode graphs and, in the loop thread, the first prefills), with the whole
 start's phases still timed (on Python 3.12 the loader's threads show in it too: ``preadv``,
-``copy_h2d``).
+``copy_h2d``). ``--profiler torch`` profiles ``Engine.start`` with torch.profiler instead
+(CPU and, on a GPU, CUDA activity: every thread's CUDA runtime and driver calls, so a
+kernel launch that loads its module lazily shows as one long ``cudaLaunchKernel`` or
+``cuLaunchKernel``) and writes the calls with the most own time and the longest single
+calls, each with its thread and its start from ``Engine.start``'s.
 """
 
 from __future__ import annotations
@@ -41,6 +45,27 @@ def top(stats: pstats.Stats, key: str, n: int) -> list[dict]:
     return rows[:n]
 
 
+def torch_profiled(fn, n: int) -> dict:
+    """Run fn() under torch.profiler: the n calls (ops, CUDA runtime and driver API calls)
+    with the most own CPU time, summed per name, and the n longest single calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    t0 = min((e.time_range.start for e in events), default=0)
+    own = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    longest = sorted(events, key=lambda e: e.time_range.elapsed_us(), reverse=True)[:n]
+    return {"profiled_ms": round((max((e.time_range.end for e in events), default=t0) - t0) / 1e3, 2),
+            "top_own_calls": [{"name": e.key, "calls": e.count, "own_ms": round(e.self_cpu_time_total / 1e3, 3),
+                               "total_ms": round(e.cpu_time_total / 1e3, 3)} for e in own],
+            "longest_calls": [{"name": e.name, "ms": round(e.time_range.elapsed_us() / 1e3, 3),
+                               "at_ms": round((e.time_range.start - t0) / 1e3, 2), "thread": e.thread}
+                              for e in longest]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("packed", help="packed model directory")
@@ -52,7 +77,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pstats", type=Path, help="also write the raw profile here (python -m pstats FILE; callers)")
     ap.add_argument("--scope", choices=["start", "engine-start"], default="start",
                     help="profile the whole start (default) or only Engine.start")
+    ap.add_argument("--profiler", choices=["cprofile", "torch"], default="cprofile",
+                    help="torch: Engine.start under torch.profiler (implies --scope engine-start)")
     a = ap.parse_args(argv)
+    if a.profiler == "torch":
+        a.scope = "engine-start"
     import yaml
 
     from deployments.server import LLMServer
@@ -66,12 +95,16 @@ def main(argv: list[str] | None = None) -> dict:
         real_start = Engine.start
 
         def profiled_start(self) -> None:
+            if a.profiler == "torch":
+                torch_calls.update(torch_profiled(lambda: real_start(self), a.top))
+                return
             prof.enable()
             try:
                 real_start(self)
             finally:
                 prof.disable()
         Engine.start = profiled_start
+    torch_calls: dict = {}
     t0 = time.perf_counter()
     if whole:
         prof.enable()
@@ -81,16 +114,21 @@ def main(argv: list[str] | None = None) -> dict:
         prof.disable()
     wall = time.perf_counter() - t0
     server.shutdown()
-    stats = pstats.Stats(prof, stream=io.StringIO())
     res = {"command": "PYTHONPATH=$PWD python bench/start_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "build_during_load": os.environ.get("COLDSTART_BUILD_DURING_LOAD", "1"), "scope": a.scope,
            "wall_s": round(wall, 3), "phases_s": server.timer.as_dict(),
-           "engine_stats": server.engine.stats(),
-           "top_cumulative": top(stats, "cumulative", a.top), "top_own": top(stats, "tottime", a.top)}
-    if a.pstats:
+           "engine_stats": server.engine.stats()}
+    if a.profiler == "torch":
+        res.update(torch_calls)
+    else:
+        stats = pstats.Stats(prof, stream=io.StringIO())
+        res.update(top_cumulative=top(stats, "cumulative", a.top), top_own=top(stats, "tottime", a.top))
+    if a.pstats and a.profiler == "cprofile":
         prof.dump_stats(a.pstats)
-    for row in res["top_own"][:15]:
+    for row in res.get("top_own", [])[:15]:
         print(f"{row['own_s']:8.3f} {row['cumulative_s']:8.3f} {row['calls']:7d}  {row['function']}")
+    for row in res.get("longest_calls", [])[:25]:
+        print(f"{row['ms']:9.2f} ms at {row['at_ms']:9.2f} ms  thread {row['thread']}  {row['name']}")
     print(json.dumps(res["phases_s"]))
     st = res["engine_stats"]
     print(json.dumps({k: st.get(k) for k in ("first_launch_s", "first_launch_ms", "capture_s", "first_prefill_ms")}))
