@@ -40,6 +40,25 @@ def parse_json(body: bytes) -> dict:
     return doc
 
 
+def _text(v: str, field: str) -> str:
+    """v, which JSON may carry with a lone surrogate (``"\\ud800"``): no tokenizer takes that."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{field} is not valid Unicode text: a lone surrogate "
+                         f"(\\u{ord(v[e.start]):04x}) at character {e.start}; send UTF-8 text") from None
+    return v
+
+
+def _bool(doc: dict, key: str) -> bool:
+    v = doc.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"field '{key}' must be true or false, got {json.dumps(v)}")
+    return v
+
+
 def _num(doc: dict, key: str, kind: type, default: Any) -> Any:
     v = doc.get(key, default)
     if v is None:
@@ -56,9 +75,9 @@ def _stops(doc: dict, key: str = "stop") -> list[str]:
     if v is None:
         return []
     if isinstance(v, str):
-        return [v]
+        return [_text(v, f"field '{key}'")]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
+        return [_text(s, f"field '{key}'") for s in v]
     raise BadRequest(f"field '{key}' must be a string or a list of strings, got {json.dumps(v)}")
 
 
@@ -71,7 +90,7 @@ def _sampling(doc: dict, max_key: str, default_max: int) -> SamplingParams:
         seed=_num(doc, "seed", int, None),
         stop=_stops(doc),
         stop_token_ids=doc.get("stop_token_ids") or [],
-        ignore_eos=bool(doc.get("ignore_eos", False)),
+        ignore_eos=_bool(doc, "ignore_eos"),
     )
     try:
         p.validate()
@@ -96,7 +115,7 @@ def parse_generate(doc: dict) -> tuple[str, SamplingParams, bool]:
     prompt = doc.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("field 'prompt' must be a non-empty string")
-    return prompt, _sampling(doc, "max_new_tokens", 128), bool(doc.get("stream", False))
+    return _text(prompt, "field 'prompt'"), _sampling(doc, "max_new_tokens", 128), _bool(doc, "stream")
 
 
 _UNSUPPORTED_OK = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
@@ -130,7 +149,7 @@ def parse_completion(doc: dict) -> tuple[str, SamplingParams, bool]:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("field 'prompt' must be a non-empty string (one prompt per request)")
-    return prompt, _sampling(doc, "max_tokens", 16), bool(doc.get("stream", False))
+    return _text(prompt, "field 'prompt'"), _sampling(doc, "max_tokens", 16), _bool(doc, "stream")
 
 
 def parse_chat(doc: dict) -> tuple[list[dict], SamplingParams, bool]:
@@ -150,9 +169,10 @@ def parse_chat(doc: dict) -> tuple[list[dict], SamplingParams, bool]:
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": _text(m["role"], f"messages[{i}].role"),
+                    "content": _text(content, f"messages[{i}].content")})
     key = "max_completion_tokens" if doc.get("max_completion_tokens") is not None else "max_tokens"
-    return out, _sampling(doc, key, 256), bool(doc.get("stream", False))
+    return out, _sampling(doc, key, 256), _bool(doc, "stream")
 
 
 # ---- responses -------------------------------------------------------------

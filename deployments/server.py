@@ -305,6 +305,10 @@ class LLMServer:
         except RuntimeError as e:  # one request failed inside the engine; the replica goes on
             log.error("request failed: %s", e)
             resp = _error(str(e), getattr(e, "status", 500))
+        except Exception as e:  # a fault of this server's own: the request says so, the replica goes on
+            log.exception("%s %s failed", request.method, path)
+            self.metrics.request("error")
+            resp = _error(f"internal error ({type(e).__name__}: {e}); the replica's log has the traceback", 500)
         resp.headers["x-coldstart-replica"] = self.replica_id
         return resp
 

@@ -207,6 +207,15 @@ def test_chat_streams_sse_with_done(client):
      "field 'response_format'"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": 3}, 400,
      "field 'stream_options' must be an object"),
+    ("/generate", {"prompt": "x", "stream": "yes"}, 400, "field 'stream' must be true or false"),
+    ("/generate", {"prompt": "x", "ignore_eos": 1}, 400, "field 'ignore_eos' must be true or false"),
+    # JSON may carry a lone surrogate, which no tokenizer takes (it was a 500 with no message)
+    ("/generate", b'{"prompt": "ok \\ud800"}', 400,
+     "field 'prompt' is not valid Unicode text: a lone surrogate (\\ud800) at character 3"),
+    ("/v1/completions", b'{"prompt": "\\udc00x"}', 400, "field 'prompt' is not valid Unicode text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud83d"}]}', 400,
+     "messages[0].content is not valid Unicode text"),
+    ("/generate", b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "field 'stop' is not valid Unicode text"),
     ("/nope", {}, 404, "no route /nope"),
 ])
 def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
@@ -293,6 +302,22 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
         assert s.metrics.requests["stopped"] == 2  # counted apart from "ok" (the dashboard's error ratio)
     finally:
         s.shutdown()
+
+
+def test_a_fault_of_the_server_itself_is_a_500_that_says_so_and_the_replica_goes_on(client, server, monkeypatch):
+    """An exception no handler expects (a bug: here the tokenizer raising) ends that request
+    with a JSON 500 naming it, counted as an error; the next request is served."""
+    before = server.metrics.requests.get("error", 0)
+
+    def broken(prompt: str) -> list[int]:
+        raise TypeError("encode broke")
+    monkeypatch.setattr(server, "_encode", broken)
+    r = client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2})
+    assert r.status_code == 500 and r.headers["x-coldstart-replica"]
+    assert "internal error (TypeError: encode broke)" in r.json()["error"]["message"]
+    assert server.metrics.requests["error"] == before + 1
+    monkeypatch.undo()
+    assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
 
 
 def test_wrong_method(client):
