@@ -121,7 +121,9 @@ def parse_generate(doc: dict) -> tuple[str, SamplingParams, bool]:
 _UNSUPPORTED_OK = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
                    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
                    "functions": (None, []), "tool_choice": (None, "none"),
-                   "response_format": (None, {"type": "text"})}
+                   "response_format": (None, {"type": "text"}),
+                   # sampling this server does not do: only their neutral values pass
+                   "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
 
 
 def wants_usage_chunk(doc: dict) -> bool:
@@ -166,7 +168,10 @@ def parse_chat(doc: dict) -> tuple[list[dict], SamplingParams, bool]:
         if isinstance(content, list):  # [{"type": "text", "text": ...}] parts
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p.get("text", "") for p in content)
+            for k, p in enumerate(content):
+                if not isinstance(p.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content[{k}].text must be a string, got {json.dumps(p.get('text'))}")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string")
         out.append({"role": _text(m["role"], f"messages[{i}].role"),

@@ -517,12 +517,25 @@ class Engine:
     def _to_decoding(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Sequences whose whole prompt is in the cache start decoding; logits [R, V] (row j
         for seqs[j], at its last prompt token) give their first tokens, which stream now."""
-        for s in seqs:
+        rows = []
+        for j, s in enumerate(seqs):
             self._prefilling.remove(s)
             s.pos = len(s.prompt)
-            s.gen = self._make_generator(s.params)
+            try:
+                s.gen = self._make_generator(s.params)
+            except Exception as e:  # one request's setting must not stop the loop
+                if _is_device_error(e):
+                    raise
+                log.exception("request %d failed: its sampling generator", s.handle.id)
+                self._finish(s, "error", e)
+                continue
             self._decoding.append(s)
-        self._sample(seqs, logits, defer=False)
+            rows.append(j)
+        if len(rows) < len(seqs):
+            seqs = [seqs[j] for j in rows]
+            logits = logits[rows]
+        if seqs:
+            self._sample(seqs, logits, defer=False)
 
     def _stage_inputs(self, B: int, seqs: list[_Seq]) -> None:
         # Padding rows: token 0 at the last cache position, which no live sequence ever

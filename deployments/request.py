@@ -43,8 +43,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
-            raise ValueError(f"SamplingParams.seed must be None or an int >= 0, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 1 << 64):
+            raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

@@ -170,6 +170,7 @@ def test_stop_token_ids_and_eos(tok):
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 1 << 64}, "seed"),  # torch's generators take 64 bits
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
@@ -599,6 +600,29 @@ def test_a_failed_shared_prefill_fails_only_its_requests():
         assert reasons == ["error", "error", "length"] and eng.alive()
         assert eng.generate([9, 10], SamplingParams(max_new_tokens=3, **GREEDY))[0] == hf_greedy(hf, [9, 10], 3)
         assert eng.stats()["free_slots"] == 4
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_whose_sampler_cannot_be_made_fails_alone():
+    """A request whose sampling generator cannot be made (here: made to raise) fails alone,
+    even in a prefill it shares; the loop, and the request beside it, go on."""
+    eng, hf = make_engine(start=False, prefill_chunk=64)
+    real = eng._make_generator
+
+    def make(p):
+        if p.seed == 13:
+            raise OverflowError("seed out of range")
+        return real(p)
+    eng._make_generator = make
+    bad = eng.submit([7, 8, 9, 10], SamplingParams(max_new_tokens=4, temperature=1.0, seed=13))
+    good = eng.submit([3, 4, 5, 6], SamplingParams(max_new_tokens=4, **GREEDY))
+    try:
+        eng.start()
+        assert bad.result(timeout=60)[2] == "error" and isinstance(bad.error, OverflowError)
+        assert good.result(timeout=60)[0] == hf_greedy(hf, [3, 4, 5, 6], 4)
+        assert eng.stats()["batched_prefills"] == 1  # the two shared one prefill
+        assert eng.alive() and eng.stats()["free_slots"] == eng.config.max_slots
     finally:
         eng.shutdown()
 

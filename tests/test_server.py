@@ -216,6 +216,11 @@ def test_chat_streams_sse_with_done(client):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud83d"}]}', 400,
      "messages[0].content is not valid Unicode text"),
     ("/generate", b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "field 'stop' is not valid Unicode text"),
+    ("/generate", {"prompt": "x", "seed": 1 << 70}, 400, "field 'seed' must be None or an int in [0, 2**64)"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "field 'presence_penalty'=0.5 is not supported"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "field 'logit_bias'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages[0].content[0].text must be a string, got 5"),
     ("/nope", {}, 404, "no route /nope"),
 ])
 def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
