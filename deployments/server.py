@@ -40,6 +40,11 @@ from weights.timing import PhaseTimer
 
 log = logging.getLogger("coldstart.server")
 
+# Text is refused before tokenizing above this many characters per context token: natural
+# text averages about four, so only a text made of a vocabulary's longest tokens could fit
+# beyond it.
+MAX_CHARS_PER_TOKEN = 64
+
 RETRY_AFTER_S = 5
 
 
@@ -324,7 +329,17 @@ class LLMServer:
             raise api.BadRequest(f"replica unavailable: {e}", 503) from e
 
     def _encode(self, prompt: str) -> list[int]:
+        self._check_size(len(prompt), "field 'prompt'")
         return self.tokenizer.encode(prompt)
+
+    def _check_size(self, chars: int, what: str) -> None:
+        """Refuse text no context could hold before tokenizing it: the replica tokenizes on its
+        event loop, and 10 MB of text held every other request up for seconds."""
+        tokens = self.engine.config.max_seq_len
+        limit = tokens * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise api.BadRequest(f"{what} is {chars:,} characters, more than a context of {tokens} tokens "
+                                 f"takes ({limit:,}: {MAX_CHARS_PER_TOKEN} per token); shorten it")
 
     async def _run(self, handle) -> tuple[str, list[int], str]:
         text, ids = [], []
@@ -423,6 +438,7 @@ class LLMServer:
     async def _chat(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
         messages, params, stream = api.parse_chat(doc)
+        self._check_size(sum(len(m["content"]) for m in messages), "field 'messages' (their content)")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except ValueError as e:  # no template, or the template rejected the messages

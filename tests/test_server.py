@@ -221,6 +221,12 @@ def test_chat_streams_sse_with_done(client):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "field 'logit_bias'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
      "messages[0].content[0].text must be a string, got 5"),
+    # text no context could hold is refused before it is tokenized (max_seq_len=256: 16,384 characters)
+    ("/generate", {"prompt": "a" * 16385}, 400,
+     "field 'prompt' is 16,385 characters, more than a context of 256 tokens takes (16,384: 64 per token)"),
+    ("/v1/completions", {"prompt": "a" * 20000}, 400, "field 'prompt' is 20,000 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 9000}] * 2}, 400,
+     "field 'messages' (their content) is 18,000 characters"),
     ("/nope", {}, 404, "no route /nope"),
 ])
 def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
