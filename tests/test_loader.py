@@ -85,6 +85,18 @@ def test_missing_packed_file(tmp_path):
         load(tmp_path, "cpu")
 
 
+@pytest.mark.parametrize("text, msg", [("{bad", "not valid JSON"), ("[]", "holds a JSON list, not an object")])
+def test_a_config_broken_after_packing_names_the_file(tiny_packed, tmp_path, text, msg):
+    import shutil
+
+    d = tmp_path / "packed"
+    shutil.copytree(tiny_packed, d)
+    (d / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=msg) as e:
+        load(d, "cpu")
+    assert str(d / "config.json") in str(e.value) and "re-pack the model" in str(e.value)
+
+
 def test_start_load_on_cpu_is_done_at_once(tiny_packed):
     p = start_load(tiny_packed, "cpu")
     assert p.done()

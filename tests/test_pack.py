@@ -146,6 +146,27 @@ def test_no_config(tmp_path):
         pack(src, tmp_path / "p")
 
 
+@pytest.mark.parametrize("name, text, msg", [
+    ("config.json", "{bad", r"config.json: not valid JSON \(Expecting property name .*line 1 column 2"),
+    ("config.json", "[1]", "config.json: holds a JSON list, not an object"),
+    ("generation_config.json", b"\xff\xfe{", "generation_config.json: not valid JSON .*can't decode byte 0xff"),
+    ("tokenizer_config.json", '{"bos_token": "<s>",', "tokenizer_config.json: not valid JSON"),
+    ("special_tokens_map.json", '"<s>"', "special_tokens_map.json: holds a JSON str, not an object"),
+    ("tokenizer.json", '{"version": "1.0"}', "tokenizer.json: the tokenizers library cannot read it"),
+])
+def test_a_side_file_a_replica_could_not_read_is_refused(tiny_hf, tmp_path, name, text, msg):
+    """A side file that is not what a replica reads is refused at pack time, naming it; no DEST."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_hf, src)
+    (src / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(SourceError, match=msg) as e:
+        pack(src, tmp_path / "p")
+    assert "copy it again from the model's source" in str(e.value)
+    assert not (tmp_path / "p").exists()
+
+
 def test_no_weights(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

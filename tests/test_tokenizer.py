@@ -116,3 +116,21 @@ def test_jinja2_is_imported_lazily(tok_dir):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("name, text, msg", [
+    ("tokenizer.json", "{", "tokenizer.json: the tokenizers library cannot read it"),
+    ("tokenizer_config.json", "3", "tokenizer_config.json: holds a JSON int, not an object"),
+    ("generation_config.json", "{eos", "generation_config.json: not valid JSON"),
+])
+def test_a_side_file_changed_after_packing_names_itself(tok_dir, tmp_path, name, text, msg):
+    """A packed directory whose tokenizer files broke after packing: the error names the file
+    and what to do, instead of the library's bare message."""
+    import shutil
+
+    d = tmp_path / "tok"
+    shutil.copytree(tok_dir, d)
+    (d / name).write_text(text)
+    with pytest.raises(ValueError, match=msg) as e:
+        Tokenizer.from_dir(d)
+    assert str(d / name) in str(e.value) and "pack again" in str(e.value)

@@ -185,6 +185,16 @@ class PackedFile:
         return f"chunk {chunk} (file bytes {lo}..{hi}, tensors {what})"
 
 
+def read_json(path: Path, then: str) -> Any:
+    """A side file's JSON (config.json, tokenizer_config.json, ...); ValueError naming the file,
+    where its JSON breaks and ``then`` (what to do) if it is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not valid JSON ({e}); {then}") from None
+
+
 def _fail(path: Path, msg: str) -> PackedFormatError:
     return PackedFormatError(f"{path}: {msg}")
 

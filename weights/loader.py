@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 
 from . import checksum, readahead
-from .format import DTYPES, PackedFile, PackedFormatError, read_packed
+from .format import DTYPES, PackedFile, PackedFormatError, read_json, read_packed
 from .options import LoadOptions
 from .timing import PhaseTimer
 
@@ -209,8 +208,10 @@ def _read_config(d: Path) -> dict:
     p = d / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"{d}: no config.json beside the weights; re-pack the model")
-    with open(p) as f:
-        return json.load(f)
+    config = read_json(p, "re-pack the model from its source")
+    if not isinstance(config, dict):
+        raise ValueError(f"{p}: holds a JSON {type(config).__name__}, not an object; re-pack the model from its source")
+    return config
 
 
 def _views(packed: PackedFile, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
