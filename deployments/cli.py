@@ -105,8 +105,33 @@ def packed_model(path: str | Path) -> Path:
     return p
 
 
+def check_config(path: str) -> None:
+    """A YAML config given to ``coldstart serve`` exists and holds Serve's ``applications``
+    list, checked before Ray starts (``serve run`` would take a missing file for an import
+    path and fail with a traceback). An import path (``module:app``) is left to ``serve run``."""
+    import yaml
+    p = Path(path)
+    if p.suffix not in (".yaml", ".yml"):
+        return
+    if not p.is_file():
+        where = "" if p.is_absolute() else f" in {Path.cwd()}"
+        raise FileNotFoundError(f"{path}: no such config file{where}; run from the project's directory "
+                                "or give the config's path")
+    try:
+        with p.open(encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("applications"), list) or not cfg["applications"]:
+        raise ValueError(f"{path}: a Serve config needs an `applications:` list with at least one "
+                         "application (see serve_config.yaml)")
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
+    if a.gpus is not None and not a.gpus >= 0:
+        raise ValueError(f"--gpus {a.gpus}: give the GPUs per replica, 0 or more (0.5 shares a GPU)")
     model = packed_model(a.model) if a.model else None
+    check_config(a.config)
     if model is None:
         ensure_demo()
     serve = str(Path(sys.executable).with_name("serve"))

@@ -99,3 +99,21 @@ def test_serve_model_is_checked_before_ray_starts(tmp_path, tiny_packed):
     r = _cli("serve", "--model", str(bad), cwd=tmp_path)
     assert r.returncode == 1 and str(bad) in r.stderr and "corrupt" in r.stderr, r.stderr
     assert "serve run" not in r.stdout and not (tmp_path / "weights").exists()
+
+
+def test_serve_config_is_checked_before_ray_starts(tmp_path):
+    """A missing, broken or foreign config file is a one-line error naming it, before Ray (and
+    before the demo model is made); an import path is left to serve run."""
+    r = _cli("serve", cwd=tmp_path)  # no serve_config.yaml here
+    assert r.returncode == 2 and f"serve_config.yaml: no such config file in {tmp_path}" in r.stderr
+    (tmp_path / "broken.yaml").write_text("applications: [\n")
+    r = _cli("serve", "broken.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "broken.yaml: not valid YAML" in r.stderr and 'in "' in r.stderr
+    (tmp_path / "other.yml").write_text("proxy_location: EveryNode\n")
+    r = _cli("serve", str(tmp_path / "other.yml"), cwd=tmp_path)
+    assert r.returncode == 2 and "needs an `applications:` list" in r.stderr
+    for gpus in ("-1", "nan"):
+        r = _cli("serve", "--gpus", gpus, cwd=tmp_path)
+        assert r.returncode == 2 and "give the GPUs per replica, 0 or more" in r.stderr
+    assert "Traceback" not in r.stderr and "serve run" not in r.stdout
+    assert not (tmp_path / "weights").exists()
