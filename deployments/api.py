@@ -102,6 +102,15 @@ def _sampling(doc: dict, max_key: str, default_max: int) -> SamplingParams:
     return p
 
 
+def fit_default_length(doc: dict, params: SamplingParams, prompt_tokens: int, max_seq_len: int) -> None:
+    """A request that names no length limit (max_new_tokens, max_tokens, max_completion_tokens)
+    gets its route's default cut to the room its prompt leaves in the context, instead of a
+    400 about a field it never sent. A limit the client sent is left as it is."""
+    if all(doc.get(k) is None for k in ("max_new_tokens", "max_tokens", "max_completion_tokens")):
+        if prompt_tokens < max_seq_len:
+            params.max_new_tokens = min(params.max_new_tokens, max_seq_len - prompt_tokens)
+
+
 GENERATE_FIELDS = {"prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "stream"}
 

@@ -393,8 +393,10 @@ class LLMServer:
             self._account(handle)
 
     async def _generate(self, request: Request) -> Response:
-        prompt, params, stream = api.parse_generate(api.parse_json(await request.body()))
+        doc = api.parse_json(await request.body())
+        prompt, params, stream = api.parse_generate(doc)
         ids = self._encode(prompt)
+        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
         handle = await self._submit(ids, params)
         if stream:
             def render(ch) -> bytes:
@@ -425,6 +427,7 @@ class LLMServer:
         doc = api.parse_json(await request.body())
         prompt, params, stream = api.parse_completion(doc)
         ids = self._encode(prompt)
+        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
         rid, model = api.new_id("cmpl"), self.model_name
         tail = self._sse_tail(doc, rid, "text_completion", len(ids))  # validates stream_options
         handle = await self._submit(ids, params)
@@ -445,6 +448,7 @@ class LLMServer:
             raise api.BadRequest(str(e)) from e
         except Exception as e:  # jinja2 raises its own types for a template's raise_exception
             raise api.BadRequest(f"chat template rejected the messages: {e}") from e
+        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
         rid, model = api.new_id("chatcmpl"), self.model_name
         tail = self._sse_tail(doc, rid, "chat.completion.chunk", len(ids))
         handle = await self._submit(ids, params)

@@ -331,6 +331,25 @@ def test_a_fault_of_the_server_itself_is_a_500_that_says_so_and_the_replica_goes
     assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
 
 
+def test_a_request_without_a_length_limit_gets_the_room_its_prompt_leaves(client, server):
+    """max_seq_len=256: a prompt that leaves less room than the route's default length (128,
+    16, 256) gets that room when it sends no limit, and the 400 when it sends one."""
+    prompt = "word " * 50
+    n = len(server.tokenizer.encode(prompt))
+    assert 256 - 128 < n < 256
+    r = client.post("/generate", json={"prompt": prompt, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["finish_reason"] == "length" and len(r.json()["token_ids"]) == 256 - n
+    r = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 128})
+    assert r.status_code == 400 and "exceeds max_seq_len=256" in r.json()["error"]["message"]
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})
+    assert chat.status_code == 200, chat.text
+    u = chat.json()["usage"]
+    assert u["prompt_tokens"] + u["completion_tokens"] <= 256
+    r = client.post("/generate", json={"prompt": "word " * 300})  # no room at all: still the 400
+    assert r.status_code == 400 and "exceeds max_seq_len=256" in r.json()["error"]["message"]
+
+
 def test_wrong_method(client):
     r = client.get("/generate")
     assert r.status_code == 405 and "use POST" in r.json()["error"]["message"]
