@@ -227,6 +227,7 @@ def test_chat_streams_sse_with_done(client):
     ("/v1/completions", {"prompt": "a" * 20000}, 400, "field 'prompt' is 20,000 characters"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 9000}] * 2}, 400,
      "field 'messages' (their content) is 18,000 characters"),
+    ("/generate", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "field 'stop' has 65 strings; at most 64"),
     ("/nope", {}, 404, "no route /nope"),
 ])
 def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
