@@ -36,12 +36,7 @@ _REPACK = "copy it again from the model's source and pack again"
 def _read_json(path: Path) -> dict:
     from weights.format import read_json
 
-    if not path.exists():
-        return {}
-    doc = read_json(path, _REPACK)
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not an object; {_REPACK}")
-    return doc
+    return read_json(path, _REPACK) if path.exists() else {}
 
 
 class Tokenizer:
@@ -74,7 +69,7 @@ class Tokenizer:
 
         Raises FileNotFoundError if tokenizer.json is missing.
         """
-        from tokenizers import Tokenizer as _HFTok
+        from weights.format import read_tokenizer
 
         d = Path(path)
         tj = d / "tokenizer.json"
@@ -93,12 +88,8 @@ class Tokenizer:
             template = (d / "chat_template.jinja").read_text(encoding="utf-8")
         eos_ids = gc.get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
-        try:
-            tok = _HFTok.from_file(str(tj))
-        except Exception as e:  # the library's own error type; its message says where the file breaks
-            raise ValueError(f"{tj}: the tokenizers library cannot read it ({e}); {_REPACK}") from None
         return cls(
-            tok,
+            read_tokenizer(tj, _REPACK),
             bos_token=_token_str(tc.get("bos_token")),
             eos_token=_token_str(tc.get("eos_token")),
             add_bos_token=tc.get("add_bos_token"),

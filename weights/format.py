@@ -185,14 +185,29 @@ class PackedFile:
         return f"chunk {chunk} (file bytes {lo}..{hi}, tensors {what})"
 
 
-def read_json(path: Path, then: str) -> Any:
-    """A side file's JSON (config.json, tokenizer_config.json, ...); ValueError naming the file,
-    where its JSON breaks and ``then`` (what to do) if it is not JSON."""
+def read_json(path: Path, then: str) -> dict:
+    """A JSON side file (config.json, tokenizer_config.json, ...: each one JSON object);
+    ValueError naming the file, where its JSON breaks and ``then`` (what to do) if it is not
+    JSON or not an object."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            doc = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"{path}: not valid JSON ({e}); {then}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not an object; {then}")
+    return doc
+
+
+def read_tokenizer(path: Path, then: str) -> Any:
+    """tokenizer.json as a ``tokenizers.Tokenizer``; ValueError naming the file, the library's
+    reason and ``then`` if the library cannot read it."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library's own error type; its message says where the file breaks
+        raise ValueError(f"{path}: the tokenizers library cannot read it ({e}); {then}") from None
 
 
 def _fail(path: Path, msg: str) -> PackedFormatError:

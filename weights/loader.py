@@ -208,10 +208,7 @@ def _read_config(d: Path) -> dict:
     p = d / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"{d}: no config.json beside the weights; re-pack the model")
-    config = read_json(p, "re-pack the model from its source")
-    if not isinstance(config, dict):
-        raise ValueError(f"{p}: holds a JSON {type(config).__name__}, not an object; re-pack the model from its source")
-    return config
+    return read_json(p, "re-pack the model from its source")
 
 
 def _views(packed: PackedFile, buffer: torch.Tensor) -> dict[str, torch.Tensor]:

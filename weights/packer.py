@@ -23,7 +23,7 @@ import torch
 
 from . import checksum
 from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, PREAMBLE_BYTES, WEIGHTS_FILE, Index,
-                     TensorEntry, align_up, encode_preamble, read_json)
+                     TensorEntry, align_up, encode_preamble, read_json, read_tokenizer)
 from .sources import SourceError, find_weight_files, iter_tensors, open_sources
 
 log = logging.getLogger(__name__)
@@ -101,22 +101,18 @@ def _check_side_files(src: Path) -> None:
     fix = "copy it again from the model's source"
     for name in SIDE_FILES:
         p = src / name
-        if not name.endswith(".json") or not p.is_file():
+        # (tokenizer.json: read whole by the tokenizers library below, not parsed twice)
+        if not name.endswith(".json") or name == "tokenizer.json" or not p.is_file():
             continue
         try:
-            doc = read_json(p, fix)
+            read_json(p, fix)
         except ValueError as e:
             raise SourceError(str(e)) from None
-        if not isinstance(doc, dict):  # each of them is one JSON object
-            raise SourceError(f"{p}: holds a JSON {type(doc).__name__}, not an object; {fix}")
     if (src / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
         try:
-            Tokenizer.from_file(str(src / "tokenizer.json"))
-        except Exception as e:  # the library's own error type
-            raise SourceError(f"{src / 'tokenizer.json'}: the tokenizers library cannot read it ({e}); "
-                              f"{fix}") from None
+            read_tokenizer(src / "tokenizer.json", fix)
+        except ValueError as e:
+            raise SourceError(str(e)) from None
 
 
 def _stored_dtype(name: str, dtype: str, file: Path, cast: str | None) -> str:
