@@ -317,7 +317,10 @@ class LLMServer:
         resp.headers["x-coldstart-replica"] = self.replica_id
         return resp
 
-    async def _submit(self, ids: list[int], params):
+    async def _submit(self, ids: list[int], params, doc: dict):
+        """``ids`` with ``params`` into the engine; ``doc``, the request's body, says whether it
+        sent a length limit (``api.fit_default_length``)."""
+        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
         if not self.engine.alive():  # check_health will fail and Ray will replace this replica
             raise api.BadRequest(f"replica unavailable: engine loop is not running "
                                  f"({self.engine.error!r}); retry", 503)
@@ -396,8 +399,7 @@ class LLMServer:
         doc = api.parse_json(await request.body())
         prompt, params, stream = api.parse_generate(doc)
         ids = self._encode(prompt)
-        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
-        handle = await self._submit(ids, params)
+        handle = await self._submit(ids, params, doc)
         if stream:
             def render(ch) -> bytes:
                 return (json.dumps({"text": ch.text, "token_ids": ch.token_ids,
@@ -427,10 +429,9 @@ class LLMServer:
         doc = api.parse_json(await request.body())
         prompt, params, stream = api.parse_completion(doc)
         ids = self._encode(prompt)
-        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
         rid, model = api.new_id("cmpl"), self.model_name
         tail = self._sse_tail(doc, rid, "text_completion", len(ids))  # validates stream_options
-        handle = await self._submit(ids, params)
+        handle = await self._submit(ids, params, doc)
         if stream:
             return StreamingResponse(self._stream(
                 handle, lambda ch: api.sse(api.completion_chunk(rid, model, ch.text, ch.finish_reason)),
@@ -448,10 +449,9 @@ class LLMServer:
             raise api.BadRequest(str(e)) from e
         except Exception as e:  # jinja2 raises its own types for a template's raise_exception
             raise api.BadRequest(f"chat template rejected the messages: {e}") from e
-        api.fit_default_length(doc, params, len(ids), self.engine.config.max_seq_len)
         rid, model = api.new_id("chatcmpl"), self.model_name
         tail = self._sse_tail(doc, rid, "chat.completion.chunk", len(ids))
-        handle = await self._submit(ids, params)
+        handle = await self._submit(ids, params, doc)
         if stream:
             first = [True]
 
