@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch prime serve-prime kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -16,7 +16,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py tests/test_server.py \
-               tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_runtime.py 2>&1 | tee "$out/gpu-tests.log" ;;
+               tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_runtime.py tests/test_prime.py 2>&1 | tee "$out/gpu-tests.log" ;;
     ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
     load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
     kernels) python3 bench/kernel_sweep.py --out "$out/kernel-sweep.json" 2>&1 | tail -40 ;;
@@ -68,7 +68,23 @@ for stage in "$@"; do
              python3 bench/start_profile.py $W/packed --profiler torch --top 60 --out "$out/first-launch-torch-profile.json" \
                2>&1 | grep -v METRIC | tail -28
              CUDA_MODULE_LOADING=EAGER python3 bench/start_profile.py $W/packed --scope engine-start \
-               --out "$out/first-launch-eager-modules.json" 2>&1 | tail -2 ;;
+               --out "$out/first-launch-eager-modules.json" 2>&1 | tail -2
+             # the Python side of the same (Triton's launcher: its cache keys, binaries, modules)
+             python3 bench/start_profile.py $W/packed --scope engine-start --top 60 \
+               --out "$out/first-launch-cprofile.json" 2>&1 | grep -v METRIC | tail -18
+             # and with torch's own kernels only (no Triton): is it Triton's first launches?
+             COLDSTART_TRITON=0 python3 bench/start_profile.py $W/packed --scope engine-start \
+               --out "$out/first-launch-no-triton.json" 2>&1 | tail -2 ;;
+    prime)   # the replica's start in this process with the engine's kernels primed on a side thread
+             # (deployments.prime, the default) and without, three times each, alternating
+             for i in 1 2 3; do for p in 1 0; do
+               COLDSTART_PRIME=$p python3 bench/start_profile.py $W/packed --scope engine-start \
+                 --out "$out/prime-$p-$i.json" 2>&1 | tail -1 | sed "s/^/prime=$p: /"
+             done; done ;;
+    serve-prime) # the same as Ray deploys it: four warm rounds beside the cached floor
+             python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches warm --repeat 4 \
+               --variant noprime='{"env": {"COLDSTART_PRIME": "0"}}' > "$out/serve-prime.log" 2>&1; r=$?
+             grep -E "warm after|deploys|^- " "$out/serve-prime.log"; (exit $r) ;;
     kvalloc) python3 bench/kv_alloc.py --out "$out/kv-alloc.json" ;;
     firstprefill) python3 bench/first_prefill.py $W/packed --out "$out/first-prefill.json" 2>&1 | grep -v METRIC | tail -12 ;;
     firstanatomy) python3 bench/first_prefill.py $W/packed --anatomy --out "$out/first-prefill-anatomy.json" 2>&1 \

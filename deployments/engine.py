@@ -360,6 +360,10 @@ class Engine:
         torch.cuda.synchronize(self.device)
         self._stats["first_launch_s"] = time.perf_counter() - t0
         self._stats["first_launch_ms"] = each  # per batch size: the kernels it is the first to load
+        from deployments import prime
+        t = time.perf_counter()
+        self._stats["prime_s"] = prime.wait()  # nothing launches beside the capture (None: not primed)
+        self._stats["prime_wait_s"] = round(time.perf_counter() - t, 4)
         for B in reversed(cfg.graph_batch_sizes):
             for L in reversed(cfg.kv_len_buckets):
                 g = torch.cuda.CUDAGraph()

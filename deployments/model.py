@@ -57,15 +57,20 @@ if os.environ.get("COLDSTART_PREFILL_ATTENTION", "flash") != "auto":
 class KVCache:
     """Static KV cache: per layer k and v of shape [slots, n_kv_heads, max_seq_len, head_dim]."""
 
-    def __init__(self, cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
+                 one_segment: bool = True):
         shape = (max_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
         # zeros, not empty: a never-written position must hold finite values, since
         # masked-out scores still multiply it (0 * NaN = NaN). One allocation and one memset
         # for every layer's keys and values, each layer's k and v a contiguous view of it. Made
         # as one plain segment where the allocator uses expandable segments, which map it piece
-        # by piece: a 7B's 32 GiB in 0.017 s instead of 0.10-0.12 (weights.loader.one_segment)
-        from weights.loader import one_segment
-        with one_segment(torch.device(device)):
+        # by piece: a 7B's 32 GiB in 0.017 s instead of 0.10-0.12 (weights.loader.one_segment,
+        # which changes the allocator's settings for the whole process while it runs: a small
+        # cache made beside other allocations, deployments.prime's, passes one_segment=False)
+        import contextlib
+
+        from weights.loader import one_segment as plain
+        with plain(torch.device(device)) if one_segment else contextlib.nullcontext():
             self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
         self.k = list(self.data[0].unbind(0))
         self.v = list(self.data[1].unbind(0))

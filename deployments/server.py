@@ -175,12 +175,16 @@ class LLMServer:
         # 0.4, bench/results/runs/serve-v6-build-beside-cold-read.json); the trickle, one
         # piece at a time, reads meanwhile.
         pending = start_load(path, self.device, options=opts, timer=timer, hold=trickling)
+        native = architecture(pending.config) in NATIVE_ARCHITECTURES
+        embed = pending.tensors.get("model.embed_tokens.weight") if native else None
+        if embed is not None:  # the engine's first-use costs, beside the build (waited for before its capture)
+            from deployments import prime
+            prime.start(pending.config, self.device, embed.dtype)
         # The engine is built while the weights' bytes arrive: the model over the buffer's views,
         # the kernels' self-tests and GEMV choice (on their own inputs), the KV cache and the CUDA
         # graphs need the weights' shapes and addresses, never their values. Only a native model
         # can (transformers' classes may copy the weights as they take them).
-        overlap = (pending.background and build_during_load()
-                   and architecture(pending.config) in NATIVE_ARCHITECTURES)
+        overlap = pending.background and build_during_load() and native
         loaded = None if overlap else self._finish_load(pending, t0)
         with _gil_switch(_OVERLAP_SWITCH_S if overlap else None):
             try:

@@ -425,12 +425,13 @@ def _greedy(server, prompt: str = "The answer is ", n: int = 12) -> list[int]:
                                   SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
 
 
-def _gpu_replica_run(path) -> tuple:
-    """A GPU replica of ``path`` started, warmed and shut down: (its greedy output, its phases)."""
+def _gpu_replica_run(path, stats: bool = False) -> tuple:
+    """A GPU replica of ``path`` started, warmed and shut down: (its greedy output, its phases),
+    and its engine's stats with ``stats``."""
     s = LLMServer(str(path), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
     try:
         s.reconfigure({"warmup": {"requests": 1}})
-        return _greedy(s), s.timer.as_dict()
+        return (_greedy(s), s.timer.as_dict()) + ((s.engine.stats(),) if stats else ())
     finally:
         s.shutdown()
 

@@ -1,0 +1,117 @@
+"""The engine's first-use costs, paid on a side thread while the replica builds its model.
+
+The first launch of each of torch's kernels in a process loads its module (torch's fatbins
+are compressed, so a module is inflated on its first use) and the first matrix product
+starts cuBLAS. In a replica on an H200 those came to most of the engine's first eager
+decode launches, 0.3 s at batch 1 and 0.25 s at batch 2 (bench/results/runs/
+first-launch-v1-torch-profile.json: ``index_select`` 70 ms, cuBLAS's first ``mm`` 115 ms,
+``ne``/``index``/``bitwise_not``/``softmax`` ~20 ms each), all of it on the main thread,
+one after another, after the model was built.
+
+``start`` runs the same code paths (``deployments.model.Transformer``'s prefill, batched
+prefill and decode at batches 1 and 2, and ``deployments.sampling.sample``'s greedy and
+sampled rows) through a one-layer model with the served model's dtype, head size and
+attention grouping but small widths (a few MB), right after the CUDA context exists. It
+runs while the main thread opens the weights, builds the model over them, reads the
+tokenizer and allocates the KV cache; the engine's first launches then find those modules
+loaded. Kernels whose choice depends on the real widths (cuBLAS's per shape, Triton's)
+still load at their first launch.
+
+Only what is process-wide carries over: module loads and cuBLAS's library set-up. Each
+thread still makes its own cuBLAS handle. ``wait`` is called before the CUDA graphs are
+captured, so nothing runs beside a capture. Env COLDSTART_PRIME=0 turns it off; it never
+fails a replica (an error is logged and the engine pays those costs itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+_STATE: dict[str, Any] = {}
+
+
+def wanted(device: Any) -> bool:
+    """Whether to prime on ``device`` (a torch.device): CUDA only, unless COLDSTART_PRIME=0."""
+    return getattr(device, "type", None) == "cuda" and os.environ.get("COLDSTART_PRIME", "1") != "0"
+
+
+def small_config(cfg: Any) -> Any:
+    """A one-layer ``ModelConfig`` with ``cfg``'s head size, query heads per kv head, sliding
+    window, biases and rope, and small widths: the same kernels, a few MB of weights."""
+    window = next((w for w in cfg.layer_windows if w is not None), None)
+    return dataclasses.replace(
+        cfg, vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=cfg.n_rep, num_key_value_heads=1, head_dim=cfg.head_dim,
+        tie_word_embeddings=False, layer_windows=[window])
+
+
+def run(config: Mapping[str, Any], device: Any, dtype: Any) -> float:
+    """Run the engine's code paths once through a small model (``small_config``) on
+    ``device`` in ``dtype``; returns the seconds it took, up to the device's completion.
+    (Any device: the tests run it on the CPU, where it primes nothing.)"""
+    import torch
+
+    from deployments.model import KVCache, ModelConfig, Transformer
+    from deployments.sampling import sample
+
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+    cfg = small_config(ModelConfig.from_hf(config))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.inference_mode():
+        for p in model.parameters():
+            p.fill_(0.02)
+        model.setup_rope(64)
+        cache = KVCache(cfg, 2, 64, dtype, device, one_segment=False)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+        model.prefill(zeros(1, 16), cache, 0, 0)
+        logits = model.prefill_batch(zeros(2, 16), cache, [0, 1], [16, 16], logit_rows=2)
+        for B in (1, 2):
+            model.decode(zeros(B), torch.full((B,), 16, device=device), torch.ones_like(zeros(B)) != 0, cache, 32)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(0)
+        sample(logits, [0.0, 0.7], [1.0, 0.9], [0, 50], [None, gen])  # ends with a device->host copy
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def start(config: Mapping[str, Any], device: Any, dtype: Any) -> threading.Thread | None:
+    """Start ``run`` on a side thread (once per process); None where not ``wanted``."""
+    if not wanted(device) or "thread" in _STATE:
+        return None
+
+    def go() -> None:
+        try:
+            _STATE["seconds"] = run(config, device, dtype)
+        except Exception as e:  # noqa: BLE001 - never fail a replica over a head start
+            _STATE["error"] = e
+            log.warning("priming the engine's kernels failed (%r): its first launches load them instead", e)
+
+    t = threading.Thread(target=go, name="engine-prime", daemon=True)
+    _STATE["thread"] = t
+    t.start()
+    return t
+
+
+def wait(timeout: float = 60.0) -> float | None:
+    """Wait for ``start``'s thread; the seconds it ran, or None (not started, or failed)."""
+    t = _STATE.get("thread")
+    if t is None:
+        return None
+    t.join(timeout)
+    return _STATE.get("seconds")
