@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(res["phases_s"]))
     st = res["engine_stats"]
     print(json.dumps({k: st.get(k) for k in ("first_launch_s", "first_launch_ms", "capture_s", "first_prefill_ms",
-                                         "prime_s", "prime_wait_s")} | {"engine_graphs": res["phases_s"].get("engine_graphs"),
+                                         "prime_s", "prime_wait_s", "prime_steps_s")} | {"engine_graphs": res["phases_s"].get("engine_graphs"),
                                                                           "engine": res["phases_s"].get("engine")}))
     if a.out:
         a.out.write_text(json.dumps(res, indent=2))

@@ -364,6 +364,7 @@ class Engine:
         t = time.perf_counter()
         self._stats["prime_s"] = prime.wait()  # nothing launches beside the capture (None: not primed)
         self._stats["prime_wait_s"] = round(time.perf_counter() - t, 4)
+        self._stats["prime_steps_s"] = prime.steps()
         for B in reversed(cfg.graph_batch_sizes):
             for L in reversed(cfg.kv_len_buckets):
                 g = torch.cuda.CUDAGraph()

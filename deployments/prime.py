@@ -39,7 +39,7 @@ _STATE: dict[str, Any] = {}
 
 def wanted(device: Any) -> bool:
     """Whether to prime on ``device`` (a torch.device): CUDA only, unless COLDSTART_PRIME=0."""
-    return getattr(device, "type", None) == "cuda" and os.environ.get("COLDSTART_PRIME", "1") != "0"
+    return getattr(device, "type", None) == "cuda" and bool(chosen_steps())
 
 
 def small_config(cfg: Any) -> Any:
@@ -52,10 +52,31 @@ def small_config(cfg: Any) -> Any:
         tie_word_embeddings=False, layer_windows=[window])
 
 
-def run(config: Mapping[str, Any], device: Any, dtype: Any) -> float:
+STEPS = ("prefill", "prefill_batch", "decode_1", "decode_2", "sample")
+
+
+def chosen_steps() -> tuple[str, ...]:
+    """The steps env COLDSTART_PRIME picks: 1 (or unset) all of ``STEPS``, 0 none, or a
+    comma-separated list of them (for measuring what each one is worth)."""
+    v = os.environ.get("COLDSTART_PRIME", "1")
+    if v in ("1", ""):
+        return STEPS
+    if v == "0":
+        return ()
+    names = tuple(n.strip() for n in v.split(",") if n.strip())
+    bad = [n for n in names if n not in STEPS]
+    if bad:
+        log.warning("COLDSTART_PRIME=%r: %s not among %s; priming all of them", v, ", ".join(bad), ", ".join(STEPS))
+        return STEPS
+    return names
+
+
+def run(config: Mapping[str, Any], device: Any, dtype: Any, steps: dict | None = None,
+        chosen: tuple[str, ...] = STEPS) -> float:
     """Run the engine's code paths once through a small model (``small_config``) on
     ``device`` in ``dtype``; returns the seconds it took, up to the device's completion.
-    (Any device: the tests run it on the CPU, where it primes nothing.)"""
+    (Any device: the tests run it on the CPU, where it primes nothing.) ``steps`` (a dict):
+    each step's seconds, each up to the device's completion (bench/prime_steps.py)."""
     import torch
 
     from deployments.model import KVCache, ModelConfig, Transformer
@@ -64,27 +85,46 @@ def run(config: Mapping[str, Any], device: Any, dtype: Any) -> float:
     t0 = time.perf_counter()
     device = torch.device(device)
     cuda = device.type == "cuda"
+    last = [t0]
+
+    def done(name: str) -> None:
+        if steps is not None:
+            if cuda:
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            steps[name] = round(now - last[0], 4)
+            last[0] = now
+
     if cuda:
         torch.cuda.set_device(device)  # a new thread starts on device 0
     cfg = small_config(ModelConfig.from_hf(config))
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(cfg).to(dtype)  # (on meta: no cast kernel to load)
+    model = model.to_empty(device=device)
     with torch.inference_mode():
         for p in model.parameters():
             p.fill_(0.02)
-        model.setup_rope(64)
+        # rope tables without setup_rope's kernels: the main thread runs those as it builds
+        model._cos = model._sin = torch.zeros(64, cfg.head_dim, dtype=dtype, device=device)
+        model.rope_len = 64
         cache = KVCache(cfg, 2, 64, dtype, device, one_segment=False)
+        done("model")
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
-        model.prefill(zeros(1, 16), cache, 0, 0)
-        logits = model.prefill_batch(zeros(2, 16), cache, [0, 1], [16, 16], logit_rows=2)
-        for B in (1, 2):
-            model.decode(zeros(B), torch.full((B,), 16, device=device), torch.ones_like(zeros(B)) != 0, cache, 32)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(0)
-        sample(logits, [0.0, 0.7], [1.0, 0.9], [0, 50], [None, gen])  # ends with a device->host copy
+        logits = None
+        for name in chosen:
+            if name == "prefill":
+                model.prefill(zeros(1, 16), cache, 0, 0)
+            elif name == "prefill_batch":
+                logits = model.prefill_batch(zeros(2, 16), cache, [0, 1], [16, 16], logit_rows=2)
+            elif name.startswith("decode_"):
+                B = int(name[7:])
+                logits = model.decode(zeros(B), torch.full((B,), 16, device=device), torch.ones_like(zeros(B)) != 0,
+                                      cache, 32)
+            elif name == "sample" and logits is not None:  # greedy rows, as the warm-up's
+                sample(logits, [0.0] * len(logits), [1.0] * len(logits), [0] * len(logits), [None] * len(logits))
+            done(name)
     if cuda:
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
@@ -97,7 +137,7 @@ def start(config: Mapping[str, Any], device: Any, dtype: Any) -> threading.Threa
 
     def go() -> None:
         try:
-            _STATE["seconds"] = run(config, device, dtype)
+            _STATE["seconds"] = run(config, device, dtype, _STATE.setdefault("steps", {}), chosen_steps())
         except Exception as e:  # noqa: BLE001 - never fail a replica over a head start
             _STATE["error"] = e
             log.warning("priming the engine's kernels failed (%r): its first launches load them instead", e)
@@ -106,6 +146,11 @@ def start(config: Mapping[str, Any], device: Any, dtype: Any) -> threading.Threa
     _STATE["thread"] = t
     t.start()
     return t
+
+
+def steps() -> dict:
+    """Each step's seconds in this process's prime (see ``run``), so far."""
+    return dict(_STATE.get("steps", {}))
 
 
 def wait(timeout: float = 60.0) -> float | None:

@@ -53,6 +53,23 @@ def test_run_goes_through_the_engine_paths_of_each_native_architecture(config, d
     assert prime.run(config, "cpu", dtype) > 0
 
 
+def test_the_env_picks_the_steps(monkeypatch, caplog):
+    monkeypatch.delenv("COLDSTART_PRIME", raising=False)
+    assert prime.chosen_steps() == prime.STEPS
+    monkeypatch.setenv("COLDSTART_PRIME", "decode_1, decode_2")
+    assert prime.chosen_steps() == ("decode_1", "decode_2")
+    monkeypatch.setenv("COLDSTART_PRIME", "decode_3")
+    with caplog.at_level(logging.WARNING, logger="deployments.prime"):
+        assert prime.chosen_steps() == prime.STEPS
+    assert "decode_3" in caplog.text and "decode_1, decode_2" in caplog.text
+
+
+def test_run_times_each_chosen_step():
+    steps: dict = {}
+    prime.run(LLAMA, "cpu", torch.float32, steps, ("decode_2", "sample"))
+    assert list(steps) == ["model", "decode_2", "sample"] and all(v >= 0 for v in steps.values())
+
+
 def test_nothing_starts_on_the_cpu_or_when_turned_off(monkeypatch):
     assert prime.start(LLAMA, torch.device("cpu"), torch.float32) is None
     assert prime.wait() is None
