@@ -76,11 +76,11 @@ for stage in "$@"; do
              COLDSTART_TRITON=0 python3 bench/start_profile.py $W/packed --scope engine-start \
                --out "$out/first-launch-no-triton.json" 2>&1 | tail -2 ;;
     prime)   # the replica's start in this process with the engine's kernels primed on a side thread
-             # (deployments.prime): all its steps (the default), none, the decode steps only, the
-             # prefill only; three rounds, alternating; first the steps' own costs in a fresh process
+             # (deployments.prime, the default) and without, two rounds, alternating (COLDSTART_PRIME
+             # also takes a list of its steps); first the steps' own costs in a fresh process
              python3 bench/prime_steps.py $W/packed --out "$out/prime-steps.json" 2>&1 | tail -26
              python3 bench/start_profile.py $W/packed --scope engine-start > /dev/null 2>&1  # (compiles on a new node)
-             for i in 1 2 3; do for p in 1 0 decode_1,decode_2 prefill; do
+             for i in 1 2; do for p in 1 0; do
                COLDSTART_PRIME=$p python3 bench/start_profile.py $W/packed --scope engine-start \
                  --out "$out/prime-${p//,/+}-$i.json" 2>&1 | tail -1 | sed "s/^/prime=$p: /"
              done; done ;;

@@ -78,6 +78,7 @@ def run(config: Mapping[str, Any], device: Any, dtype: Any, steps: dict | None =
     (Any device: the tests run it on the CPU, where it primes nothing.) ``steps`` (a dict):
     each step's seconds, each up to the device's completion (bench/prime_steps.py)."""
     import torch
+    from torch import nn
 
     from deployments.model import KVCache, ModelConfig, Transformer
     from deployments.sampling import sample
@@ -85,6 +86,8 @@ def run(config: Mapping[str, Any], device: Any, dtype: Any, steps: dict | None =
     t0 = time.perf_counter()
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     last = [t0]
 
     def done(name: str) -> None:
@@ -99,11 +102,15 @@ def run(config: Mapping[str, Any], device: Any, dtype: Any, steps: dict | None =
         torch.cuda.set_device(device)  # a new thread starts on device 0
     cfg = small_config(ModelConfig.from_hf(config))
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)  # (on meta: no cast kernel to load)
-    model = model.to_empty(device=device)
+        model = Transformer(cfg)
     with torch.inference_mode():
-        for p in model.parameters():
-            p.fill_(0.02)
+        # each parameter made anew on the device, as build_native assigns the loader's views:
+        # Module.to_empty would go through torch._refs.empty_like, which imports sympy (0.7 s
+        # alone; 4-6 s beside a replica's build, on whose imports and GIL it weighed)
+        for name, p in list(model.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf,
+                    nn.Parameter(torch.full(p.shape, 0.02, dtype=dtype, device=device), requires_grad=False))
         # rope tables without setup_rope's kernels: the main thread runs those as it builds
         model._cos = model._sin = torch.zeros(64, cfg.head_dim, dtype=dtype, device=device)
         model.rope_len = 64

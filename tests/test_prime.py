@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,21 @@ def test_run_goes_through_the_engine_paths_of_each_native_architecture(config, d
     # on the CPU it primes nothing, but every call it makes is the model's and the sampler's own:
     # a change to their signatures fails here, not silently in a GPU replica's side thread
     assert prime.run(config, "cpu", dtype) > 0
+
+
+def test_run_imports_nothing_heavy():
+    """A replica imports its modules on the main thread meanwhile: a prime that imported sympy
+    (as Module.to_empty does, through torch._refs) took 4-6 s beside a 7B replica's build
+    on an H200 and slowed the build and the load with it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from deployments import prime; from tests.test_prime import LLAMA; "
+            "prime.run(LLAMA, 'cpu', torch.float16); "
+            "print([m for m in ('sympy', 'torch._dynamo', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_env_picks_the_steps(monkeypatch, caplog):
