@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch prime serve-prime kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -84,6 +84,19 @@ for stage in "$@"; do
                COLDSTART_PRIME=$p python3 bench/start_profile.py $W/packed --scope engine-start \
                  --out "$out/prime-${p//,/+}-$i.json" 2>&1 | tail -1 | sed "s/^/prime=$p: /"
              done; done ;;
+    prime-order) # the prime's steps in the engine's order of need (decode first: the first launches
+             # come before the first prefills) against the default order and against none: two
+             # rounds outside Ray, then three in Ray beside the cached floor
+             D=decode_1,decode_2,prefill,prefill_batch,sample
+             python3 bench/start_profile.py $W/packed --scope engine-start > /dev/null 2>&1  # (compiles on a new node)
+             for i in 1 2; do for p in 1 $D 0; do
+               COLDSTART_PRIME=$p python3 bench/start_profile.py $W/packed --scope engine-start \
+                 --out "$out/prime-order-$([ $p = $D ] && echo decodefirst || echo $p)-$i.json" 2>&1 | tail -1 | sed "s/^/prime=$p: /"
+             done; done
+             python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches warm --repeat 3 \
+               --variant decodefirst="{\"env\": {\"COLDSTART_PRIME\": \"$D\"}}" \
+               --variant noprime='{"env": {"COLDSTART_PRIME": "0"}}' > "$out/serve-prime-order.log" 2>&1; r=$?
+             grep -E "warm after|deploys|^- " "$out/serve-prime-order.log"; (exit $r) ;;
     serve-prime) # the same as Ray deploys it: four warm rounds beside the cached floor
              python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches warm --repeat 4 \
                --variant noprime='{"env": {"COLDSTART_PRIME": "0"}}' > "$out/serve-prime.log" 2>&1; r=$?
