@@ -9,18 +9,21 @@ first-launch-v1-torch-profile.json: ``index_select`` 70 ms, cuBLAS's first ``mm`
 one after another, after the model was built.
 
 ``start`` runs the same code paths (``deployments.model.Transformer``'s prefill, batched
-prefill and decode at batches 1 and 2, and ``deployments.sampling.sample``'s greedy and
-sampled rows) through a one-layer model with the served model's dtype, head size and
-attention grouping but small widths (a few MB), right after the CUDA context exists. It
-runs while the main thread opens the weights, builds the model over them, reads the
-tokenizer and allocates the KV cache; the engine's first launches then find those modules
-loaded. Kernels whose choice depends on the real widths (cuBLAS's per shape, Triton's)
-still load at their first launch.
+prefill and decode at batches 1 and 2, and ``deployments.sampling.sample``'s greedy rows)
+through a one-layer model with the served model's dtype, head size, heads per kv head,
+window and biases but small widths (a few MB), as soon as the weights' views exist. It
+runs while the main thread builds the model over them, reads the tokenizer and allocates
+the KV cache; the engine's first launches then find those modules loaded. Kernels whose
+choice depends on the real widths (cuBLAS's per shape, Triton's) still load at their
+first launch. Outside Ray, a 7B replica's first launches took 0.77-0.96 s primed against
+0.97-1.45 s (bench/results/runs/prime-v1-start-profile.json, prime-order-v1-...); in Ray
+the gain is below the run's drift (README, "What the first launches wait for").
 
 Only what is process-wide carries over: module loads and cuBLAS's library set-up. Each
 thread still makes its own cuBLAS handle. ``wait`` is called before the CUDA graphs are
-captured, so nothing runs beside a capture. Env COLDSTART_PRIME=0 turns it off; it never
-fails a replica (an error is logged and the engine pays those costs itself).
+captured, so nothing runs beside a capture. Env COLDSTART_PRIME=0 turns it off (a
+comma-separated list of ``STEPS`` runs only those, in that order); it never fails a
+replica (an error is logged and the engine pays those costs itself).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ _STATE: dict[str, Any] = {}
 
 
 def wanted(device: Any) -> bool:
-    """Whether to prime on ``device`` (a torch.device): CUDA only, unless COLDSTART_PRIME=0."""
+    """Whether to prime on ``device`` (a torch.device): CUDA only, and not with COLDSTART_PRIME=0."""
     return getattr(device, "type", None) == "cuda" and bool(chosen_steps())
 
 
@@ -166,4 +169,6 @@ def wait(timeout: float = 60.0) -> float | None:
     if t is None:
         return None
     t.join(timeout)
+    if t.is_alive():
+        log.warning("priming the engine's kernels still runs after %.0f s; going on without it", timeout)
     return _STATE.get("seconds")
