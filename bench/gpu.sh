@@ -82,7 +82,7 @@ for stage in "$@"; do
              python3 bench/start_profile.py $W/packed --scope engine-start > /dev/null 2>&1  # (compiles on a new node)
              for i in 1 2; do for p in 1 0; do
                COLDSTART_PRIME=$p python3 bench/start_profile.py $W/packed --scope engine-start \
-                 --out "$out/prime-${p//,/+}-$i.json" 2>&1 | tail -1 | sed "s/^/prime=$p: /"
+                 --out "$out/prime-$p-$i.json" 2>&1 | tail -1 | sed "s/^/prime=$p: /"
              done; done ;;
     prime-order) # the prime's steps in the engine's order of need (decode first: the first launches
              # come before the first prefills) against the default order and against none: two

@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['ms']:9.2f} ms at {row['at_ms']:9.2f} ms  thread {row['thread']}  {row['name']}")
     print(json.dumps(res["phases_s"]))
     st = res["engine_stats"]
-    print(json.dumps({k: st.get(k) for k in ("first_launch_s", "first_launch_ms", "capture_s", "first_prefill_ms",
-                                         "prime_s", "prime_wait_s", "prime_steps_s")} | {"engine_graphs": res["phases_s"].get("engine_graphs"),
-                                                                          "engine": res["phases_s"].get("engine")}))
+    keys = ("first_launch_s", "first_launch_ms", "capture_s", "first_prefill_ms", "prime_s", "prime_wait_s",
+            "prime_steps_s")
+    print(json.dumps({k: st.get(k) for k in keys}
+                     | {k: res["phases_s"].get(k) for k in ("engine_graphs", "engine")}))
     if a.out:
         a.out.write_text(json.dumps(res, indent=2))
     return res

@@ -18,6 +18,7 @@ This module must stay cheap to import: no transformers, no ray, no jinja2.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -67,10 +68,8 @@ class KVCache:
         # by piece: a 7B's 32 GiB in 0.017 s instead of 0.10-0.12 (weights.loader.one_segment,
         # which changes the allocator's settings for the whole process while it runs: a small
         # cache made beside other allocations, deployments.prime's, passes one_segment=False)
-        import contextlib
-
-        from weights.loader import one_segment as plain
-        with plain(torch.device(device)) if one_segment else contextlib.nullcontext():
+        from weights.loader import one_segment as plain_segment
+        with plain_segment(torch.device(device)) if one_segment else contextlib.nullcontext():
             self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
         self.k = list(self.data[0].unbind(0))
         self.v = list(self.data[1].unbind(0))
