@@ -21,13 +21,16 @@ the gain is below the run's drift (README, "What the first launches wait for").
 
 Only what is process-wide carries over: module loads and cuBLAS's library set-up. Each
 thread still makes its own cuBLAS handle. ``wait`` is called before the CUDA graphs are
-captured, so nothing runs beside a capture. Env COLDSTART_PRIME=0 turns it off (a
-comma-separated list of ``STEPS`` runs only those, in that order); it never fails a
-replica (an error is logged and the engine pays those costs itself).
+captured, so nothing runs beside a capture. It runs on a stream of its own: its waits
+(each step's time, its end) wait for its own work, not for the loader's copies. Env
+COLDSTART_PRIME=0 turns it off (a comma-separated list of ``STEPS`` runs only those, in
+that order); it never fails a replica (an error is logged and the engine pays those costs
+itself).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -93,20 +96,23 @@ def run(config: Mapping[str, Any], device: Any, dtype: Any, steps: dict | None =
         device = torch.device("cuda", torch.cuda.current_device())
     last = [t0]
 
+    if cuda:
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+    # its own stream: waiting for a step waits for that step, not for the loader's copies
+    stream = torch.cuda.Stream(device) if cuda else None
+
     def done(name: str) -> None:
         if steps is not None:
-            if cuda:
-                torch.cuda.synchronize(device)
+            if stream is not None:
+                stream.synchronize()
             now = time.perf_counter()
             steps[name] = round(now - last[0], 4)
             last[0] = now
 
-    if cuda:
-        torch.cuda.set_device(device)  # a new thread starts on device 0
     cfg = small_config(ModelConfig.from_hf(config))
     with torch.device("meta"):
         model = Transformer(cfg)
-    with torch.inference_mode():
+    with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
         # each parameter made anew on the device, as build_native assigns the loader's views:
         # Module.to_empty would go through torch._refs.empty_like, which imports sympy (0.7 s
         # alone; 4-6 s beside a replica's build, on whose imports and GIL it weighed)
@@ -135,8 +141,8 @@ def run(config: Mapping[str, Any], device: Any, dtype: Any, steps: dict | None =
             elif name == "sample" and logits is not None:  # greedy rows, as the warm-up's
                 sample(logits, [0.0] * len(logits), [1.0] * len(logits), [0] * len(logits), [None] * len(logits))
             done(name)
-    if cuda:
-        torch.cuda.synchronize(device)
+    if stream is not None:
+        stream.synchronize()
     return time.perf_counter() - t0
 
 

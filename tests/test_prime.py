@@ -116,3 +116,18 @@ def test_gpu_primed_replica_serves_what_an_unprimed_one_serves(tiny_packed, monk
     assert runs["1"][0] == runs["0"][0]
     assert runs["0"][2]["prime_s"] is None
     assert runs["1"][2]["prime_s"] > 0 and runs["1"][2]["prime_wait_s"] >= 0
+
+
+@gpu
+def test_gpu_prime_waits_for_its_own_work_only():
+    """The prime's waits (each step's time, its end) are on its own stream: work queued on
+    another stream (the loader's copies, in a replica) is still running when it returns."""
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.cuda._sleep(10_000_000_000)  # 10^10 cycles: 5 s at 2 GHz
+    steps: dict = {}
+    prime.run(LLAMA, "cuda", torch.float16, steps)
+    busy = not other.query()
+    other.synchronize()
+    assert busy, "the prime waited for another stream's work"
+    assert set(steps) == {"model", *prime.STEPS}
