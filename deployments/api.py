@@ -28,6 +28,12 @@ class BadRequest(ValueError):
         self.status = status
 
 
+def _js(v: Any, limit: int = 200) -> str:
+    """v as JSON, cut to ``limit`` characters: an error message quotes what was sent, not all of it."""
+    t = json.dumps(v)
+    return t if len(t) <= limit else f"{t[:limit]}... ({len(t):,} characters)"
+
+
 def parse_json(body: bytes) -> dict:
     if not body:
         raise BadRequest("request body is empty: send a JSON object")
@@ -55,7 +61,7 @@ def _bool(doc: dict, key: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise BadRequest(f"field '{key}' must be true or false, got {json.dumps(v)}")
+        raise BadRequest(f"field '{key}' must be true or false, got {_js(v)}")
     return v
 
 
@@ -66,7 +72,7 @@ def _num(doc: dict, key: str, kind: type, default: Any) -> Any:
     ok = isinstance(v, (int, float)) if kind is float else isinstance(v, kind)
     if not ok or isinstance(v, bool):
         raise BadRequest(f"field '{key}' must be {'a number' if kind is float else 'an integer'}, "
-                         f"got {json.dumps(v)}")
+                         f"got {_js(v)}")
     return kind(v)
 
 
@@ -78,7 +84,7 @@ def _stops(doc: dict, key: str = "stop") -> list[str]:
         return [_text(v, f"field '{key}'")]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return [_text(s, f"field '{key}'") for s in v]
-    raise BadRequest(f"field '{key}' must be a string or a list of strings, got {json.dumps(v)}")
+    raise BadRequest(f"field '{key}' must be a string or a list of strings, got {_js(v)}")
 
 
 def _sampling(doc: dict, max_key: str, default_max: int) -> SamplingParams:
@@ -119,7 +125,8 @@ def parse_generate(doc: dict) -> tuple[str, SamplingParams, bool]:
     """``POST /generate``: {prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, stream}."""
     unknown = sorted(set(doc) - GENERATE_FIELDS)
     if unknown:
-        raise BadRequest(f"unknown field(s) {', '.join(unknown)}; /generate takes "
+        more = f" and {len(unknown) - 10:,} more" if len(unknown) > 10 else ""
+        raise BadRequest(f"unknown field(s) {', '.join(unknown[:10])}{more}; /generate takes "
                          f"{', '.join(sorted(GENERATE_FIELDS))}")
     prompt = doc.get("prompt")
     if not isinstance(prompt, str) or not prompt:
@@ -139,17 +146,17 @@ def wants_usage_chunk(doc: dict) -> bool:
     """OpenAI's ``stream_options: {"include_usage": true}``: a last chunk with usage."""
     opts = doc.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise BadRequest(f"field 'stream_options' must be an object, got {json.dumps(opts)}")
+        raise BadRequest(f"field 'stream_options' must be an object, got {_js(opts)}")
     return bool((opts or {}).get("include_usage", False))
 
 
 def _openai_common(doc: dict) -> None:
     n = doc.get("n", 1)
     if n not in (1, None):
-        raise BadRequest(f"field 'n' must be 1 (one choice per request), got {json.dumps(n)}")
+        raise BadRequest(f"field 'n' must be 1 (one choice per request), got {_js(n)}")
     for key, fine in _UNSUPPORTED_OK.items():
         if key in doc and doc[key] not in fine:
-            raise BadRequest(f"field '{key}'={json.dumps(doc[key])} is not supported by this server")
+            raise BadRequest(f"field '{key}'={_js(doc[key])} is not supported by this server")
 
 
 def parse_completion(doc: dict) -> tuple[str, SamplingParams, bool]:
@@ -179,7 +186,7 @@ def parse_chat(doc: dict) -> tuple[list[dict], SamplingParams, bool]:
                 raise BadRequest(f"messages[{i}].content: only text parts are supported")
             for k, p in enumerate(content):
                 if not isinstance(p.get("text"), str):
-                    raise BadRequest(f"messages[{i}].content[{k}].text must be a string, got {json.dumps(p.get('text'))}")
+                    raise BadRequest(f"messages[{i}].content[{k}].text must be a string, got {_js(p.get('text'))}")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string")

@@ -18,6 +18,14 @@ FINISH_REASONS = (None, "stop", "length", "cancelled", "error")
 # every request's steps share; 10,000 of them took 3 ms per token on the development VM
 # (OpenAI's API takes 4).
 MAX_STOP_STRINGS = 64
+# Stop token ids are one set lookup per token; the bound only keeps a request's set small.
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _shown(v: Any, limit: int = 200) -> str:
+    """repr(v), cut to ``limit`` characters: an error message quotes what was sent, not all of it."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r):,} characters)"
 
 
 @dataclass
@@ -50,13 +58,17 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 1 << 64):
             raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
+            raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {_shown(self.stop)}")
         if len(self.stop) > MAX_STOP_STRINGS:  # each is looked for after every token, in the loop all share
             raise ValueError(f"SamplingParams.stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
             is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints >= 0, "
+                             f"got {_shown(self.stop_token_ids)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids has {len(self.stop_token_ids)} ids; "
+                             f"at most {MAX_STOP_TOKEN_IDS}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
 

@@ -44,6 +44,9 @@ log = logging.getLogger("coldstart.server")
 # text averages about four, so only a text made of a vocabulary's longest tokens could fit
 # beyond it.
 MAX_CHARS_PER_TOKEN = 64
+# and a body is refused unread above 12 bytes per such character (JSON's longest spelling of
+# one: a surrogate pair as two \\u escapes) plus this much for everything else it carries
+BODY_SLACK_BYTES = 1 << 20
 
 RETRY_AFTER_S = 5
 
@@ -335,6 +338,26 @@ class LLMServer:
         except RuntimeError as e:  # the engine loop died: this replica is going away
             raise api.BadRequest(f"replica unavailable: {e}", 503) from e
 
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, refused with a 413 before it is all read where it is larger than
+        any request this replica could serve: parsing 1 GB of JSON would hold the event loop
+        (every other request) and the replica's memory."""
+        tokens = self.engine.config.max_seq_len
+        limit = 12 * tokens * MAX_CHARS_PER_TOKEN + BODY_SLACK_BYTES
+
+        def too_big(size: str) -> api.BadRequest:
+            return api.BadRequest(f"request body is {size} bytes, more than a request for a context of {tokens} "
+                                  f"tokens can need ({limit:,}); shorten it", 413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big(f"{int(declared):,}")
+        body = bytearray()
+        async for piece in request.stream():  # a chunked body says no length: counted as it comes
+            body += piece
+            if len(body) > limit:
+                raise too_big(f"more than {limit:,}")
+        return bytes(body)
+
     def _encode(self, prompt: str) -> list[int]:
         self._check_size(len(prompt), "field 'prompt'")
         return self.tokenizer.encode(prompt)
@@ -400,7 +423,7 @@ class LLMServer:
             self._account(handle)
 
     async def _generate(self, request: Request) -> Response:
-        doc = api.parse_json(await request.body())
+        doc = api.parse_json(await self._body(request))
         prompt, params, stream = api.parse_generate(doc)
         ids = self._encode(prompt)
         handle = await self._submit(ids, params, doc)
@@ -430,7 +453,7 @@ class LLMServer:
         return tail
 
     async def _completions(self, request: Request) -> Response:
-        doc = api.parse_json(await request.body())
+        doc = api.parse_json(await self._body(request))
         prompt, params, stream = api.parse_completion(doc)
         ids = self._encode(prompt)
         rid, model = api.new_id("cmpl"), self.model_name
@@ -444,7 +467,7 @@ class LLMServer:
         return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)))
 
     async def _chat(self, request: Request) -> Response:
-        doc = api.parse_json(await request.body())
+        doc = api.parse_json(await self._body(request))
         messages, params, stream = api.parse_chat(doc)
         self._check_size(sum(len(m["content"]) for m in messages), "field 'messages' (their content)")
         try:
@@ -485,7 +508,7 @@ class LLMServer:
 
     async def _fault(self, request: Request) -> Response:
         """Drills (args.fault_injection only): stop the engine loop, as a crashed one would be."""
-        kind = api.parse_json(await request.body()).get("kind")
+        kind = api.parse_json(await self._body(request)).get("kind")
         if kind != "engine_stop":
             raise api.BadRequest(f"field 'kind' must be 'engine_stop', got {kind!r}")
         log.warning("fault injection: stopping the engine loop")

@@ -144,6 +144,10 @@ def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
         # a bad request through Ray's proxy is still a 4xx with a message
         bad = _post("/generate", {"prompt": "", "max_new_tokens": 3})
         assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
+        # and a body larger than any request for the demo's 1024-token context is refused unparsed
+        big = _post("/generate", {"prompt": "a" * 2_000_000})
+        assert big.status_code == 413, big.text
+        assert "more than a request for a context of 1024 tokens can need" in big.json()["error"]["message"]
 
 
 def test_coldstart_serve_model_serves_that_packed_model(tmp_path, tiny_packed):

@@ -228,6 +228,11 @@ def test_chat_streams_sse_with_done(client):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 9000}] * 2}, 400,
      "field 'messages' (their content) is 18,000 characters"),
     ("/generate", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "field 'stop' has 65 strings; at most 64"),
+    ("/generate", {"prompt": "x", "stop_token_ids": list(range(1025))}, 400,
+     "field 'stop_token_ids' has 1025 ids; at most 1024"),
+    # what was sent is quoted, not all of it
+    ("/generate", {"prompt": "x", "stop_token_ids": [1] * 5000 + [-1]}, 400, "1, 1... (15,004 characters)"),
+    ("/generate", {"prompt": "x", **{f"k{i}": 1 for i in range(12)}}, 400, "unknown field(s) k0, k1, k10, k11, k2"),
     ("/nope", {}, 404, "no route /nope"),
 ])
 def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
@@ -235,6 +240,29 @@ def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
     r = client.post(path, content=data, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert msg in r.json()["error"]["message"]
+
+
+def test_a_body_larger_than_any_request_needs_is_refused_unread(client):
+    """A body beyond what a context of max_seq_len tokens can need (256 * 64 characters at 12
+    bytes each, plus 1 MiB) gets a 413 before it is parsed: from its Content-Length, or,
+    sent in chunks without one, once that many bytes have come. The replica serves on."""
+    big = json.dumps({"prompt": "a" * 1_300_000}).encode()
+    r = client.post("/generate", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["message"] == (
+        f"request body is {len(big):,} bytes, more than a request for a context of 256 tokens "
+        "can need (1,245,184); shorten it")
+
+    def pieces():
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+    r = client.post("/v1/completions", content=pieces(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "more than 1,245,184 bytes" in r.json()["error"]["message"], r.text
+    # just below the limit, a body is read and judged on what it says
+    r = client.post("/generate", content=json.dumps({"prompt": "a" * 1_200_000}),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "1,200,000 characters" in r.json()["error"]["message"], r.text
+    assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
 
 
 def test_a_prompt_the_model_overflows_on_gets_a_500_that_says_so(client, server):
