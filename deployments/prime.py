@@ -22,7 +22,9 @@ the gain is below the run's drift (README, "What the first launches wait for").
 Only what is process-wide carries over: module loads and cuBLAS's library set-up. Each
 thread still makes its own cuBLAS handle. ``wait`` is called before the CUDA graphs are
 captured, so nothing runs beside a capture. It runs on a stream of its own: its waits
-(each step's time, its end) wait for its own work, not for the loader's copies. Env
+(each step's time, its end) wait for its own work, not for the loader's copies (a first
+use of a kernel may still wait for the whole device: CUDA may synchronize the context to
+load a module lazily; the loader keeps a few milliseconds of copies in flight). Env
 COLDSTART_PRIME=0 turns it off (a comma-separated list of ``STEPS`` runs only those, in
 that order); it never fails a replica (an error is logged and the engine pays those costs
 itself).

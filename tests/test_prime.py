@@ -122,6 +122,7 @@ def test_gpu_primed_replica_serves_what_an_unprimed_one_serves(tiny_packed, monk
 def test_gpu_prime_waits_for_its_own_work_only():
     """The prime's waits (each step's time, its end) are on its own stream: work queued on
     another stream (the loader's copies, in a replica) is still running when it returns."""
+    prime.run(LLAMA, "cuda", torch.float16)  # its kernels' modules loaded: a first load syncs the context
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):
         torch.cuda._sleep(10_000_000_000)  # 10^10 cycles: 5 s at 2 GHz
