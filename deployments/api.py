@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from deployments.request import SamplingParams
+from deployments.request import SamplingParams, cut
 
 
 class BadRequest(ValueError):
@@ -28,10 +28,8 @@ class BadRequest(ValueError):
         self.status = status
 
 
-def _js(v: Any, limit: int = 200) -> str:
-    """v as JSON, cut to ``limit`` characters: an error message quotes what was sent, not all of it."""
-    t = json.dumps(v)
-    return t if len(t) <= limit else f"{t[:limit]}... ({len(t):,} characters)"
+def _js(v: Any) -> str:
+    return cut(json.dumps(v))
 
 
 def parse_json(body: bytes) -> dict:

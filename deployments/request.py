@@ -22,10 +22,13 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 
 
-def _shown(v: Any, limit: int = 200) -> str:
-    """repr(v), cut to ``limit`` characters: an error message quotes what was sent, not all of it."""
-    r = repr(v)
-    return r if len(r) <= limit else f"{r[:limit]}... ({len(r):,} characters)"
+def cut(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters: an error message quotes what was sent, not all of it."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _shown(v: Any) -> str:
+    return cut(repr(v))
 
 
 @dataclass
