@@ -17,7 +17,7 @@ the KV cache; the engine's first launches then find those modules loaded. Kernel
 choice depends on the real widths (cuBLAS's per shape, Triton's) still load at their
 first launch. Outside Ray, a 7B replica's first launches took 0.77-0.96 s primed against
 0.97-1.45 s (bench/results/runs/prime-v1-start-profile.json, prime-order-v1-...); in Ray
-the gain is below the run's drift (README, "What the first launches wait for").
+the gain is below the run's drift (docs/measurements.md, "What the first launches wait for").
 
 Only what is process-wide carries over: module loads and cuBLAS's library set-up. Each
 thread still makes its own cuBLAS handle. ``wait`` is called before the CUDA graphs are
