@@ -19,6 +19,7 @@ warm replicas only.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -47,6 +48,10 @@ MAX_CHARS_PER_TOKEN = 64
 # and a body is refused unread above 12 bytes per such character (JSON's longest spelling of
 # one: a surrogate pair as two \\u escapes) plus this much for everything else it carries
 BODY_SLACK_BYTES = 1 << 20
+
+# Text longer than this is tokenized on a worker thread instead of the event loop, which every
+# request's streaming shares (a context's worth of text takes tens of milliseconds)
+TOKENIZE_INLINE_CHARS = 8192
 
 RETRY_AFTER_S = 5
 
@@ -358,13 +363,14 @@ class LLMServer:
                 raise too_big(f"more than {limit:,}")
         return bytes(body)
 
-    def _encode(self, prompt: str) -> list[int]:
+    async def _encode(self, prompt: str) -> list[int]:
         self._check_size(len(prompt), "field 'prompt'")
-        return self.tokenizer.encode(prompt)
+        return await _off_loop(len(prompt), self.tokenizer.encode, prompt)
 
     def _check_size(self, chars: int, what: str) -> None:
-        """Refuse text no context could hold before tokenizing it: the replica tokenizes on its
-        event loop, and 10 MB of text held every other request up for seconds."""
+        """Refuse text no context could hold before tokenizing it: 10 MB of text, tokenized on
+        the event loop, held every other request up for seconds (and on a worker thread would
+        still take them)."""
         tokens = self.engine.config.max_seq_len
         limit = tokens * MAX_CHARS_PER_TOKEN
         if chars > limit:
@@ -425,7 +431,7 @@ class LLMServer:
     async def _generate(self, request: Request) -> Response:
         doc = api.parse_json(await self._body(request))
         prompt, params, stream = api.parse_generate(doc)
-        ids = self._encode(prompt)
+        ids = await self._encode(prompt)
         handle = await self._submit(ids, params, doc)
         if stream:
             def render(ch) -> bytes:
@@ -455,7 +461,7 @@ class LLMServer:
     async def _completions(self, request: Request) -> Response:
         doc = api.parse_json(await self._body(request))
         prompt, params, stream = api.parse_completion(doc)
-        ids = self._encode(prompt)
+        ids = await self._encode(prompt)
         rid, model = api.new_id("cmpl"), self.model_name
         tail = self._sse_tail(doc, rid, "text_completion", len(ids))  # validates stream_options
         handle = await self._submit(ids, params, doc)
@@ -469,9 +475,11 @@ class LLMServer:
     async def _chat(self, request: Request) -> Response:
         doc = api.parse_json(await self._body(request))
         messages, params, stream = api.parse_chat(doc)
-        self._check_size(sum(len(m["content"]) for m in messages), "field 'messages' (their content)")
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_size(chars, "field 'messages' (their content)")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = await _off_loop(chars, self.tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+                                  tokenize=True)
         except ValueError as e:  # no template, or the template rejected the messages
             raise api.BadRequest(str(e)) from e
         except Exception as e:  # jinja2 raises its own types for a template's raise_exception
@@ -529,6 +537,14 @@ class LLMServer:
 # capture) would keep the GIL for the default 5 ms each time a loader thread asks for it
 # back, several times per piece it reads; 0.5 ms bounds that wait
 _OVERLAP_SWITCH_S = 0.0005
+
+
+async def _off_loop(chars: int, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) for ``chars`` characters of text: inline when short, else on a worker
+    thread (``TOKENIZE_INLINE_CHARS``), so that the event loop goes on streaming meanwhile."""
+    if chars <= TOKENIZE_INLINE_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -265,6 +265,24 @@ def test_a_body_larger_than_any_request_needs_is_refused_unread(client):
     assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
 
 
+def test_long_text_is_tokenized_off_the_event_loop_into_the_same_ids(client, server):
+    """Text above TOKENIZE_INLINE_CHARS goes through a worker thread (prompt and chat template):
+    the engine is handed the same ids, here counted in its refusal of a prompt too long."""
+    from deployments.server import TOKENIZE_INLINE_CHARS
+
+    prompt = "word " * 2000
+    assert TOKENIZE_INLINE_CHARS < len(prompt) <= 256 * 64
+    n = len(server.tokenizer.encode(prompt))
+    r = client.post("/generate", json={"prompt": prompt, "max_new_tokens": 4})
+    assert r.status_code == 400 and f"prompt ({n} tokens)" in r.json()["error"]["message"], r.text
+    msgs = [{"role": "user", "content": prompt}]
+    m = len(server.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+    assert r.status_code == 400 and f"prompt ({m} tokens)" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": prompt}]})
+    assert r.status_code == 400 and "chat template rejected the messages: unknown role: robot" in r.text
+
+
 def test_a_prompt_the_model_overflows_on_gets_a_500_that_says_so(client, server):
     """NaN/inf logits (here: the prompt's tokens' embeddings are inf) end that request with a
     500 naming the cause and what to do, on /generate and streamed; the replica serves on."""
