@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch firstlaunch-load prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -75,6 +75,13 @@ for stage in "$@"; do
              # and with torch's own kernels only (no Triton): is it Triton's first launches?
              COLDSTART_TRITON=0 python3 bench/start_profile.py $W/packed --scope engine-start \
                --out "$out/first-launch-no-triton.json" 2>&1 | tail -2 ;;
+    firstlaunch-load) # the first launches under torch.profiler beside the warm load and after it
+             # (COLDSTART_BUILD_DURING_LOAD=0): what the load's copies add (module loads?)
+             python3 bench/start_profile.py $W/packed > /dev/null 2>&1  # (compiles on a new node)
+             for b in 1 0; do
+               COLDSTART_BUILD_DURING_LOAD=$b python3 bench/start_profile.py $W/packed --profiler torch --top 60 \
+                 --out "$out/first-launch-load-$b.json" 2>&1 | grep -v METRIC | tail -3
+             done ;;
     prime)   # the replica's start in this process with the engine's kernels primed on a side thread
              # (deployments.prime, the default) and without, two rounds, alternating (COLDSTART_PRIME
              # also takes a list of its steps); first the steps' own costs in a fresh process
