@@ -46,7 +46,7 @@ log = logging.getLogger("coldstart.server")
 # beyond it.
 MAX_CHARS_PER_TOKEN = 64
 # and a body is refused unread above 12 bytes per such character (JSON's longest spelling of
-# one: a surrogate pair as two \\u escapes) plus this much for everything else it carries
+# one: a surrogate pair as two \u escapes) plus this much for everything else it carries
 BODY_SLACK_BYTES = 1 << 20
 
 # Text longer than this is tokenized on a worker thread instead of the event loop, which every
