@@ -347,8 +347,8 @@ class LLMServer:
         """The request's body, refused with a 413 before it is all read where it is larger than
         any request this replica could serve: parsing 1 GB of JSON would hold the event loop
         (every other request) and the replica's memory."""
-        tokens = self.engine.config.max_seq_len
-        limit = 12 * tokens * MAX_CHARS_PER_TOKEN + BODY_SLACK_BYTES
+        tokens, chars = self._text_limit()
+        limit = 12 * chars + BODY_SLACK_BYTES
 
         def too_big(size: str) -> api.BadRequest:
             return api.BadRequest(f"request body is {size} bytes, more than a request for a context of {tokens} "
@@ -363,6 +363,11 @@ class LLMServer:
                 raise too_big(f"more than {limit:,}")
         return bytes(body)
 
+    def _text_limit(self) -> tuple[int, int]:
+        """(the context's tokens, the most characters of text a request may send for it)."""
+        tokens = self.engine.config.max_seq_len
+        return tokens, tokens * MAX_CHARS_PER_TOKEN
+
     async def _encode(self, prompt: str) -> list[int]:
         self._check_size(len(prompt), "field 'prompt'")
         return await _off_loop(len(prompt), self.tokenizer.encode, prompt)
@@ -371,8 +376,7 @@ class LLMServer:
         """Refuse text no context could hold before tokenizing it: 10 MB of text, tokenized on
         the event loop, held every other request up for seconds (and on a worker thread would
         still take them)."""
-        tokens = self.engine.config.max_seq_len
-        limit = tokens * MAX_CHARS_PER_TOKEN
+        tokens, limit = self._text_limit()
         if chars > limit:
             raise api.BadRequest(f"{what} is {chars:,} characters, more than a context of {tokens} tokens "
                                  f"takes ({limit:,}: {MAX_CHARS_PER_TOKEN} per token); shorten it")
