@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels profile startprofile startprofile-kept firstlaunch firstlaunch-load prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels attention starts profile startprofile startprofile-kept firstlaunch firstlaunch-load prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -20,6 +20,19 @@ for stage in "$@"; do
     ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
     load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
     kernels) python3 bench/kernel_sweep.py --out "$out/kernel-sweep.json" 2>&1 | tail -40 ;;
+    attention) # the decode attention's paths and block sizes against the matmuls, every row read to its
+             # own position, at its bucket's length and with one graph per batch size's whole-cache bound
+             python3 bench/kernel_sweep.py --only attention --out "$out/attention-sweep.json" 2>&1 | tail -14 ;;
+    starts)  # the replica's start in one process (bench/start_profile.py, its engine's start only under
+             # cProfile), kernels kept: three starts' engine steps (first launches, graphs, the prime)
+             python3 bench/start_profile.py $W/packed --scope engine-start > /dev/null 2>&1  # (compiles on a new node)
+             for i in 1 2 3; do
+               python3 bench/start_profile.py $W/packed --scope engine-start --out "$out/starts-$i.json" > /dev/null 2>&1
+               python3 -c "import json, sys; d = json.load(open(sys.argv[1])); e = d['engine_stats']; p = d['phases_s']
+print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_copy')},
+      {k: e.get(k) for k in ('graphs', 'capture_s', 'first_launch_s', 'first_launch_ms', 'first_prefill_s', 'prime_s')})" \
+                 "$out/starts-$i.json"
+             done ;;
     coldsweep) python3 bench/load.py --out "$out" --cold-sweep-only 2>&1 | tail -30 ;;
     profile) bash "$0" "$out" ckpt &&
              python3 bench/profile_decode.py $W/packed --out "$out/decode-profile.json" &&

@@ -5,7 +5,7 @@
 GEMV (`deployments.kernels._launch_gemv`, batch 1) for each projection shape of a
 Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
-otherwise. Each figure is one CUDA graph over 32 distinct weight matrices / KV
+otherwise (`COLDSTART_DECODE_ATTENTION=torch`). Each figure is one CUDA graph over 32 distinct weight matrices / KV
 caches (one per layer, so the L2 cache does not hold them), the best of 5 replays.
 Random fp16 data; nothing is loaded. Prints and writes the best block sizes.
 """
@@ -31,12 +31,17 @@ GEMV_SHAPES = [("qkv", 12288, 4096, LAYERS), ("o_proj", 4096, 4096, LAYERS), ("g
                ("down_proj", 4096, 11008, LAYERS), ("lm_head", 32000, 4096, 4)]
 GEMV_BLOCKS = [(bn, bk, w) for bn in (1, 2, 4, 8) for bk in (256, 512, 1024) for w in (4, 8)] + \
               [(16, 256, 8), (16, 512, 8), (2, 2048, 8), (1, 2048, 4), (4, 128, 2), (8, 128, 4)]
-# (name, B, n_heads, n_kv, kv_len)
-ATTN_CASES = [("mha-b1-L512", 1, 32, 32, 512), ("mha-b1-L2048", 1, 32, 32, 2048),
-              ("mha-b16-L512", 16, 32, 32, 512), ("mha-b16-L2048", 16, 32, 32, 2048),
-              ("gqa-b1-L2048", 1, 32, 8, 2048), ("gqa-b16-L2048", 16, 32, 8, 2048)]
-ATTN_CONFIGS = [(bn, w, t) for bn in (16, 32, 64) for w in (2, 4, 8) for t in (132, 264, 528)]
-
+# (name, B, n_heads, n_kv, kv_len, spread): every row at position kv_len - 1, or (spread) rows
+# evenly from kv_len / B to kv_len, as a batch of sequences of different lengths in one bucket
+ATTN_CASES = [("mha-b1-L512", 1, 32, 32, 512, False), ("mha-b1-L2048", 1, 32, 32, 2048, False),
+              ("mha-b2-L2048", 2, 32, 32, 2048, False), ("mha-b4-L2048", 4, 32, 32, 2048, False),
+              ("mha-b16-L512", 16, 32, 32, 512, False), ("mha-b16-L2048", 16, 32, 32, 2048, False),
+              ("mha-b16-spread-L4096", 16, 32, 32, 4096, True),
+              ("gqa-b1-L2048", 1, 32, 8, 2048, False), ("gqa-b16-L2048", 16, 32, 8, 2048, False),
+              ("gqa-b16-spread-L4096", 16, 32, 8, 4096, True)]
+# (block_n, num_warps, target, num_stages)
+ATTN_CONFIGS = [(bn, w, t, st) for bn in (32, 64, 128) for w in (4, 8) for t in (264, 528) for st in (2, 3, 4)]
+T_CACHE = 4096  # every cache this long: a graph per batch size launches with kv_len = the whole cache
 
 def graph_ms(fn, replays: int = 5) -> float:
     return kernels.graph_ms(fn, "cuda", replays)
@@ -100,32 +105,44 @@ def sweep_gemv(dtype: torch.dtype) -> dict:
 
 
 def sweep_attention(dtype: torch.dtype) -> dict:
+    """Per case: the batched matmuls reading up to kv_len (the bucket), the Triton attention
+    at each config with kv_len, and its defaults again with kv_len = the whole cache (one
+    graph per batch size: each row still reads only up to its position). (The sweep that
+    chose tensor-core dots for one query head per kv head too, against the CUDA-core dots
+    the kernel had for those: bench/results/runs/attention-sweep-v1.json.)"""
     out = {}
-    Dh, T = 128, 2048
-    for name, B, H, n_kv, L in ATTN_CASES:
-        caches = [(torch.randn(B, n_kv, T, Dh, device="cuda", dtype=dtype),
-                   torch.randn(B, n_kv, T, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
+    Dh = 128
+    for name, B, H, n_kv, L, spread in ATTN_CASES:
+        caches = [(torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype),
+                   torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
         q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
-        pos = torch.full((B,), L - 1, device="cuda", dtype=torch.int64)
-        mask = torch.zeros(B * n_kv, H // n_kv, L, device="cuda", dtype=dtype)
+        pos = (torch.tensor([L * (i + 1) // B - 1 for i in range(B)], device="cuda") if spread
+               else torch.full((B,), L - 1, device="cuda", dtype=torch.int64))
+        keys = torch.arange(L, device="cuda")
+        mask = torch.zeros(B, L, device="cuda", dtype=dtype).masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
+        mask = mask[:, None, None].expand(B, n_kv, H // n_kv, L).reshape(-1, H // n_kv, L)
         scale = Dh ** -0.5
         want = kernels._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
+
+        def launch(k, v, c, kv_len=L):
+            return kernels._launch_decode_attention(q, k, v, pos, kv_len, 0, scale, *c)
+
         r = {"torch_ms": graph_ms(lambda: [matmul_decode_attention(q, k[:, :, :L], v[:, :, :L], mask, scale)
                                              for k, v in caches])}
-        r["triton"], r["best"] = try_configs(
-            ATTN_CONFIGS, lambda c: dict(zip(("block_n", "warps", "target"), c)),
-            lambda c: kernels._launch_decode_attention(q, *caches[0], pos, L, 0, scale, *c),
-            lambda c: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale, *c) for k, v in caches], want)
-        r["default_ms"] = graph_ms(lambda: [kernels._launch_decode_attention(q, k, v, pos, L, 0, scale)
-                                            for k, v in caches])
-        print(f"attn {name:14s} torch {r['torch_ms'] / LAYERS * 1e3:7.1f} us/layer | Triton default "
-              f"{r['default_ms'] / LAYERS * 1e3:7.1f} | best {r['best']['block_n']}/{r['best']['warps']}/"
-              f"{r['best']['target']} {r['best']['ms'] / LAYERS * 1e3:7.1f} us/layer", flush=True)
+        rows, best = try_configs(
+            ATTN_CONFIGS, lambda c: dict(zip(("block_n", "warps", "target", "stages"), c)),
+            lambda c: launch(*caches[0], c), lambda c: [launch(k, v, c) for k, v in caches], want)
+        r.update(triton=rows, best=best, default_ms=graph_ms(lambda: [launch(k, v, ()) for k, v in caches]),
+                 default_whole_cache_ms=graph_ms(lambda: [launch(k, v, (), T_CACHE) for k, v in caches]),
+                 whole_cache_max_err=(launch(*caches[0], (), T_CACHE).float() - want.float()).abs().max().item())
+        print(f"attn {name:22s} torch {r['torch_ms'] / LAYERS * 1e3:7.1f} us/layer | Triton default "
+              f"{r['default_ms'] / LAYERS * 1e3:6.1f}, whole cache {r['default_whole_cache_ms'] / LAYERS * 1e3:6.1f}, "
+              f"best {best['block_n']}/{best['warps']}/{best['target']}/{best['stages']} "
+              f"{best['ms'] / LAYERS * 1e3:6.1f}", flush=True)
         out[name] = r
         caches.clear()
         torch.cuda.empty_cache()
     return out
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

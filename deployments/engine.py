@@ -9,7 +9,9 @@ One background thread owns the device. Each turn of its loop:
      prompts that pad to one length share one forward (`_fresh_group`);
   4. launches one decode step for every decoding sequence: cache slots 0..B-1
      in one batch, B rounded up to a graph bucket, keys read up to a kv-length
-     bucket; on CUDA this is a CUDA-graph replay, on CPU the same code eagerly;
+     bucket (or, through the Triton attention, up to each row's own position, one
+     graph per batch size); on CUDA this is a CUDA-graph replay, on CPU the same
+     code eagerly;
   5. while the device runs it, detokenizes the previous step's tokens, checks
      stop strings and streams chunks (a sequence that a stop string ends there
      has its token of the running step dropped);
@@ -59,7 +61,8 @@ class EngineConfig:
     graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch buckets; None -> 1, 2, 4, ... < max_slots, and max_slots."""
     kv_len_buckets: tuple[int, ...] | None = None
-    """Decode key-length buckets; None -> 512, 2048, max_seq_len (each graph reads keys up to its bucket)."""
+    """Decode key-length buckets; None -> 512, 2048, max_seq_len (each graph reads keys up to its bucket;
+    a batch size whose step reads each row's keys only up to its position gets the longest alone)."""
     reserve_bytes: int = 1 * GiB
     """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
     prefill_padding: bool = True
@@ -182,6 +185,11 @@ class Engine:
         self._inp = torch.zeros(3, maxb, dtype=torch.int64, device=self.device)
         self._stage = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        # each batch size's key-length bounds (a graph each): all of kv_len_buckets where the
+        # step reads keys up to the bound, the longest alone where it reads each row's own
+        kv_lens = getattr(model, "decode_kv_lens", None)
+        self._kv_lens = {B: kv_lens(B, cfg.kv_len_buckets) if kv_lens else cfg.kv_len_buckets
+                         for B in cfg.graph_batch_sizes}
         self._use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
         self._prefill_lengths = (prefill_lengths(cfg.prefill_chunk, cfg.prefill_min_len)
                                  if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
@@ -336,7 +344,7 @@ class Engine:
     # ---------------------------------------------------------------- graphs
     def _decode_eager(self, B: int, L: int) -> torch.Tensor:
         inp = self._inp[:, :B]
-        return self.model.decode(inp[0], inp[1], inp[2] != 0, self.cache, L)
+        return self.model.decode(inp[0], inp[1], inp[2], self.cache, L)  # valid: 1 live row, 0 padding
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -366,7 +374,7 @@ class Engine:
         self._stats["prime_wait_s"] = round(time.perf_counter() - t, 4)
         self._stats["prime_steps_s"] = prime.steps()
         for B in reversed(cfg.graph_batch_sizes):
-            for L in reversed(cfg.kv_len_buckets):
+            for L in reversed(self._kv_lens[B]):
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the loader's threads may still be copying weights meanwhile (their
                 # CUDA calls must not invalidate this capture, nor be refused because of it)
@@ -559,7 +567,7 @@ class Engine:
             return
         cfg = self.config
         B = _bucket(max(s.slot for s in seqs) + 1, cfg.graph_batch_sizes)
-        L = _bucket(max(s.pos for s in seqs) + 1, cfg.kv_len_buckets)
+        L = _bucket(max(s.pos for s in seqs) + 1, self._kv_lens[B])
         self._stage_inputs(B, seqs)
         if self._use_graphs:
             g, logits = self._graphs[(B, L)]

@@ -173,16 +173,25 @@ if triton is not None:
                 tl.store(V_CACHE + off + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
 
 
-    @triton.jit
-    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, chunk, window, scale, n_split,
+    # The runtime ints are not specialised on (Triton would compile a variant per divisibility
+    # by 16 of each): one compiled kernel serves every batch size, key length and split count.
+    @triton.jit(do_not_specialize=["T", "kv_len", "window", "n_split"])
+    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, window, scale, n_split,
                                   N_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
                                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         # Flash-decoding, part 1. Grid (rows * kv heads, splits): the G query heads that share
         # one kv head attend to one slice of its keys with an online softmax; writes the
         # slice's running max, sum and unnormalised output (fp32). Causal (key <= position)
         # and, when window > 0, sliding-window masks come from the row's position.
-        # One query head per kv head (G == 1): the dots are broadcast multiply + sum on the
-        # CUDA cores; several (GQA): tensor-core dots in the cache's dtype, fp32 accumulation.
+        # Each row's keys are cut into n_split slices of its own length (up to its position,
+        # whole key blocks), so a row near the start of its sequence spreads as well over the
+        # GPU as a long one, whatever kv_len (the grid's bound) is: one CUDA graph per batch
+        # size serves every length.
+        # Tensor-core dots in the cache's dtype with fp32 accumulation, the G query heads padded
+        # to BLOCK_G (>= 16) rows: with one query head per kv head, 15 of 16 rows are padding,
+        # and still faster than the same products on the CUDA cores, or than the batched matmuls
+        # (bench/kernel_sweep.py, bench/results/runs/attention-sweep-v1.json): the step is
+        # bound by reading the keys and values, which the pipelined loop keeps in flight.
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = bh // N_KV
@@ -193,22 +202,23 @@ if triton is not None:
         q = tl.load(Q + ((b * N_KV + h) * G + g[:, None]) * HEAD_DIM + d[None, :], mask=g[:, None] < G,
                     other=0.0)
         kv_base = (b * N_KV + h) * T * HEAD_DIM
+        # no key past the row's position is read: its blocks would only be masked (and a stale
+        # NaN there would still reach acc through 0 * NaN); a padding row (pos >= kv_len) reads all
+        row_len = tl.minimum(kv_len, pos + 1)
+        chunk = tl.cdiv(tl.cdiv(row_len, n_split), BLOCK_N) * BLOCK_N
         start = split * chunk
         m_i = tl.full((BLOCK_G,), -1e30, tl.float32)  # finite: an all-masked block adds nothing
         l_i = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
-        # no key past the row's position is read: its blocks would only be masked (and a stale
-        # NaN there would still reach acc through 0 * NaN); a padding row (pos >= kv_len) reads all
-        end = tl.minimum(start + chunk, tl.minimum(kv_len, pos + 1))
-        n0 = start
-        while n0 < end:  # (a while, not a range: Triton's interpreter cannot index by a runtime bound)
+        end = tl.minimum(start + chunk, row_len)
+        # a for loop, so that Triton pipelines it: the next key block's loads are in flight
+        # while this one's dots run (num_stages at launch)
+        for n0 in tl.range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             live = n < end
             k = tl.load(K + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
             v = tl.load(V + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-            if G == 1:
-                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-            elif IEEE:  # an fp32 cache: full-precision dots (Triton's default would round to tf32)
+            if IEEE:  # an fp32 cache: full-precision dots (Triton's default would round to tf32)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N], fp32
@@ -220,20 +230,17 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if G == 1:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            elif IEEE:
+            if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-            n0 += BLOCK_N
         row = ((b * N_KV + h) * G + g) * n_split + split  # [BLOCK_G] partial index
         tl.store(M_OUT + row, m_i, mask=g < G)
         tl.store(L_OUT + row, l_i, mask=g < G)
         tl.store(ACC_OUT + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g[:, None] < G)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N_SPLIT"])
     def _decode_attn_reduce_kernel(M_IN, L_IN, ACC_IN, OUT, N_SPLIT, HEAD_DIM: tl.constexpr,
                                    BLOCK_S: tl.constexpr):
         # Flash-decoding, part 2. One program per (row, query head): rescale the splits to
@@ -336,36 +343,42 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     return y
 
 
+_MAX_SPLITS = 64  # key slices per (row, kv head) at most: the merge reads them in one block
+
+
 def _decode_splits(rows: int, kv_len: int, block_n: int, target: int = 264) -> int:
     """Key slices per (row, kv head): enough programs to fill a large GPU (~``target`` of
-    them), at least one key block per slice."""
-    return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target, rows), 64))
+    them), at least one key block per slice of a ``kv_len``-long row."""
+    return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target, rows), _MAX_SPLITS))
+
+
+# block_n, num_warps, target, num_stages: the least time summed over the sweep's cases, for
+# one query head per kv head and for four alike (bench/kernel_sweep.py on an H200, Dh 128)
+_ATTN_DEFAULTS = (64, 4, 528, 2)
 
 
 def _launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                              kv_len: int, window: int, scale: float, block_n: int | None = None,
-                             num_warps: int | None = None, target: int | None = None) -> torch.Tensor:
+                             num_warps: int | None = None, target: int | None = None,
+                             num_stages: int | None = None) -> torch.Tensor:
     B, H, Dh = q.shape
     n_kv, T = k_cache.shape[1], k_cache.shape[2]
     G = H // n_kv
-    block_g = 1 if G == 1 else max(16, triton.next_power_of_2(G))
-    # the fastest blocks in bench/kernel_sweep.py on an H200 (Dh 128, kv 512..2048): one query
-    # head per kv head holds [1, BLOCK_N, HEAD_DIM] products in registers, so fewer keys a block
-    bn, warps, tgt = (32, 2, 528) if G == 1 else (64, 4, 264)
-    block_n, num_warps, target = block_n or bn, num_warps or warps, target or tgt
+    block_g = max(16, triton.next_power_of_2(G))
+    bn, warps, tgt, stages = _ATTN_DEFAULTS
+    block_n, num_warps, target, num_stages = block_n or bn, num_warps or warps, target or tgt, num_stages or stages
     n_split = _decode_splits(B * n_kv, kv_len, block_n, target)
-    chunk = triton.cdiv(triton.cdiv(kv_len, n_split), block_n) * block_n  # a whole number of key blocks
-    n_split = triton.cdiv(kv_len, chunk)  # no empty slice
     m = torch.empty(B * H * n_split, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     acc = torch.empty(B * H * n_split, Dh, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     if B:
         _decode_attn_split_kernel[(B * n_kv, n_split)](
-            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, chunk, window, scale, n_split, N_KV=n_kv, G=G,
-            HEAD_DIM=Dh, BLOCK_G=block_g, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps)
-        _decode_attn_reduce_kernel[(B * H,)](m, l_, acc, out, n_split, HEAD_DIM=Dh,
-                                             BLOCK_S=triton.next_power_of_2(n_split), num_warps=4)
+            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, window, scale, n_split, N_KV=n_kv, G=G,
+            HEAD_DIM=Dh, BLOCK_G=block_g, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            num_warps=num_warps, num_stages=num_stages)
+        _decode_attn_reduce_kernel[(B * H,)](m, l_, acc, out, n_split, HEAD_DIM=Dh, BLOCK_S=_MAX_SPLITS,
+                                             num_warps=4)
     return out
 
 
@@ -793,9 +806,9 @@ def attention_self_test(n_heads: int, n_kv: int, head_dim: int, dtype: torch.dty
     path = _selftest_path(judged, device, keep)
 
     def cases() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-        # One row over 512 keys, as a batch-1 decode step reads them (a key bucket of 512 in a
-        # longer cache): the same key slices and the same integer arguments' divisibility, so
-        # Triton compiles (or loads) exactly the variants that step launches, not two more
+        # One row over 512 keys of a longer cache: the kernels are compiled for the model's head
+        # sizes and dtype only (not for the lengths and split counts, which are runtime
+        # arguments), so this compiles (or loads) exactly what every decode step launches
         rnd = _rand(dtype, device)
         q, kc, vc = rnd(1, n_heads, head_dim), rnd(1, n_kv, 1024, head_dim), rnd(1, n_kv, 1024, head_dim)
         pos = torch.tensor([300], device=device)

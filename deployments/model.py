@@ -304,7 +304,6 @@ class Transformer(nn.Module):
         self.rope_len = 0
         self.use_kernels = False  # set by build_native: Triton kernels on CUDA (deployments.kernels)
         self.use_attention_kernel = False  # and the flash-decoding attention (see attention_kernel_for)
-        self.attention_kernel_always = False  # COLDSTART_DECODE_ATTENTION=triton
         self.gemv_shapes: frozenset = frozenset()  # and batch-1 projections of these shapes (N, K)
         self.build_s: dict[str, float] = {}  # build_native's steps, seconds (assemble, kernel tests, GEMV choice)
 
@@ -321,12 +320,18 @@ class Transformer(nn.Module):
         return self.config.max_position_embeddings
 
     def setup_rope(self, max_seq_len: int) -> None:
-        """Precompute cos/sin tables [max_seq_len, head_dim] on the model's device (fp32 math, HF order)."""
-        inv = rope_inv_freq(self.config).to(self.device)
-        t = torch.arange(max_seq_len, device=self.device, dtype=torch.float32)
+        """Precompute cos/sin tables [max_seq_len, head_dim] (fp32 math, HF order) for the
+        model's device. Computed on the CPU and copied: on the GPU, each of the six torch
+        kernels it takes would load its module on first use (tens of milliseconds each in a
+        replica's start), for a table the CPU makes in a millisecond."""
+        if self.rope_len == max_seq_len and self._cos.device == self.device:
+            return
+        inv = rope_inv_freq(self.config)
+        t = torch.arange(max_seq_len, dtype=torch.float32)
         emb = torch.outer(t, inv)
-        self._cos = torch.cat((emb, emb), dim=-1).cos().to(self.dtype)  # [T, Dh]
-        self._sin = torch.cat((-emb.sin(), emb.sin()), dim=-1).to(self.dtype)  # sign folded for the half swap
+        cos = torch.cat((emb, emb), dim=-1).cos().to(self.dtype)  # [T, Dh]
+        sin = torch.cat((-emb.sin(), emb.sin()), dim=-1).to(self.dtype)  # sign folded for the half swap
+        self._cos, self._sin = cos.to(self.device), sin.to(self.device)
         self.rope_len = max_seq_len
 
     def weights_loaded(self) -> None:
@@ -378,15 +383,25 @@ class Transformer(nn.Module):
             h, res = kernels.add_rms_norm(m, res, nxt.weight, eps)
         return h
 
+    def _fused_decode(self) -> bool:
+        """Whether every layer's decode step goes through the fused Triton path (its q, k, v
+        in one view; rope_store_kv writes the cache)."""
+        return self.use_kernels and all(la.self_attn.qkv_w is not None for la in self.model.layers)
+
     def attention_kernel_for(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows uses the Triton attention: where it was
-        measured faster than the batched matmuls (bench/kernel_sweep.py, H200): always with
-        grouped-query heads, and for one row with one query head per kv head (at 16 rows of
-        those, reading the cache bounds both and the matmuls are ~15 % faster).
-        COLDSTART_DECODE_ATTENTION=triton takes it for every step."""
-        if not self.use_attention_kernel or not all(la.self_attn.qkv_w is not None for la in self.model.layers):
-            return False
-        return self.attention_kernel_always or self.config.n_rep > 1 or rows == 1
+        """Whether a decode step of ``rows`` rows uses the Triton attention: every step, where
+        it passed its self-test and q, k, v are one view (bench/kernel_sweep.py, H200: faster
+        than the batched matmuls at every batch size and length measured, with grouped-query
+        heads or without, and more so where a batch's rows differ in length, since each reads
+        its keys only up to its own position)."""
+        return self.use_attention_kernel and all(la.self_attn.qkv_w is not None for la in self.model.layers)
+
+    def decode_kv_lens(self, rows: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        """The key-length bounds (of the engine's ``buckets``, ascending) a decode step of
+        ``rows`` rows needs its own CUDA graph for: the Triton attention reads each row's keys
+        up to the row's own position whatever the bound, so the longest serves every step;
+        the batched matmuls read up to the bound, so each bucket saves reading."""
+        return buckets[-1:] if self.use_kernels and self.attention_kernel_for(rows) else buckets
 
     def _check_len(self, n: int) -> None:
         if n > self.rope_len:
@@ -452,7 +467,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """One decode step for cache slots 0..B-1. tokens/positions/valid: [B] -> logits [B, V].
 
-        Rows with valid == False are padding: they write their (harmless) keys at
+        Rows whose valid is False (or 0) are padding: they write their (harmless) keys at
         their given position, which the engine sets to one no live sequence has
         reached yet. Static shapes for a fixed (B, kv_len): CUDA-graph capturable.
         """
@@ -461,9 +476,11 @@ class Transformer(nn.Module):
         pos2 = positions.view(B, 1)
         masks = {}
         attention_kernel = self.use_kernels and self.attention_kernel_for(B)
-        # the Triton attention takes its masks from the positions: build none when every layer uses it
+        # the Triton attention takes its masks from the positions: build none when every layer
+        # uses it (nor the comparisons they take: each torch kernel's first use in a process
+        # loads its module, tens of milliseconds of a replica's start)
         if not attention_kernel:
-            for w, m in self._masks(pos2, kv_len, valid).items():  # m: [B, 1, 1, L] bool
+            for w, m in self._masks(pos2, kv_len, valid != 0).items():  # m: [B, 1, 1, L] bool
                 add = torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(~m, float("-inf"))
                 masks[w] = add.expand(B, cfg.num_key_value_heads, cfg.n_rep, kv_len).reshape(-1, cfg.n_rep, kv_len)
         ctx = AttnContext(
@@ -473,7 +490,7 @@ class Transformer(nn.Module):
             masks,
             cache,
             positions=positions,
-            rows=torch.arange(B, device=tokens.device),
+            rows=None if self._fused_decode() else torch.arange(B, device=tokens.device),  # (the torch path's)
             kv_len=kv_len,
             attention_kernel=attention_kernel,
         )
@@ -569,11 +586,10 @@ def kernel_mode(var: str) -> str:
 
 
 def _attention_kernel_wanted(model: Transformer) -> bool:
-    """The Triton decode attention (COLDSTART_DECODE_ATTENTION=auto, the default: for the steps
-    where it is faster, see Transformer.attention_kernel_for; =triton: every step; =torch:
-    none), when it passes its self-test."""
+    """The Triton decode attention for every decode step (COLDSTART_DECODE_ATTENTION=auto, the
+    default, or triton; =torch: batched matmuls and a softmax instead), when it passes its
+    self-test."""
     mode = kernel_mode("COLDSTART_DECODE_ATTENTION")
-    model.attention_kernel_always = mode == "triton"
     if mode == "torch":
         return False
     c = model.config

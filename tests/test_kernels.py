@@ -293,10 +293,9 @@ def _attn_inputs(B, H, Hkv, Dh, T, kv_len, dtype, device="cpu", seed=0):
 
 
 # Triton's interpreter computes a bf16 tl.dot wrongly (a 16x16 product is off by ~1e10),
-# so the GQA cases (tensor-core dots) run in bf16 only on the GPU
-# (test_gpu_decode_attention_matches_reference); one query head per kv head uses no dot.
-@pytest.mark.parametrize("case, dtype", [(c, d) for c in ATTN_CASES for d in DTYPES
-                                         if not (d == torch.bfloat16 and c[1] != c[2])])
+# so the attention (tensor-core dots) runs in bf16 only on the GPU
+# (test_gpu_decode_attention_matches_reference).
+@pytest.mark.parametrize("case, dtype", [(c, d) for c in ATTN_CASES for d in DTYPES if d != torch.bfloat16])
 def test_interp_decode_attention(interp, case, dtype):
     B, H, Hkv, Dh, T, kv_len, window = case
     q, kc, vc, pos = _attn_inputs(B, H, Hkv, Dh, T, kv_len, dtype)
@@ -304,6 +303,23 @@ def test_interp_decode_attention(interp, case, dtype):
     ref = interp._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out, ref, **({} if dtype == torch.float32 else TOL[dtype]))
+
+
+@pytest.mark.parametrize("Hkv", [4, 1])
+def test_interp_decode_attention_short_rows_in_a_long_bound(interp, Hkv):
+    """One CUDA graph per batch size launches with kv_len = the whole cache: each row cuts its
+    own keys (up to its position) into the slices, so a row at position 0, one a few blocks in,
+    one across many slices and a padding row all come out as the reference has them, and the
+    keys past each row's position (NaN here) are never read."""
+    B, H, Dh, T = 4, 4, 32, 1024
+    q, kc, vc, _ = _attn_inputs(B, H, Hkv, Dh, T, T, torch.float32)
+    pos = torch.tensor([0, 70, 900, T - 1])
+    stale_k, stale_v = kc.clone(), vc.clone()
+    for b in range(B - 1):
+        stale_k[b, :, int(pos[b]) + 1:] = float("nan")
+        stale_v[b, :, int(pos[b]) + 1:] = float("nan")
+    out = interp._launch_decode_attention(q, stale_k, stale_v, pos, T, 0, Dh**-0.5)
+    torch.testing.assert_close(out, interp._ref_decode_attention(q, kc, vc, pos, T, 0, Dh**-0.5))
 
 
 @pytest.mark.parametrize("case", [c for c in ATTN_CASES if not c[6] and c[0] > 1])
@@ -649,7 +665,8 @@ def test_decode_attention_rejects_bad_inputs(kw, msg):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ATTN_CASES + [(1, 32, 32, 128, 4096, 4096, 0), (16, 32, 8, 128, 2048, 2048, 0)])
+@pytest.mark.parametrize("case", ATTN_CASES + [(1, 32, 32, 128, 4096, 4096, 0), (16, 32, 8, 128, 2048, 2048, 0),
+                                  (16, 32, 32, 128, 4096, 4096, 0)])
 def test_gpu_decode_attention_matches_reference(monkeypatch, case, dtype):
     _use_triton(monkeypatch)
     B, H, Hkv, Dh, T, kv_len, window = case

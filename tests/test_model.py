@@ -276,21 +276,56 @@ def test_triton_decode_path_matches_transformers_on_the_gpu(case, mode, tmp_path
     _engine_greedy_equals_transformers(model, hf)
 
 
-@pytest.mark.parametrize("arch, heads, always, rows_using_it", [
-    ("llama", (4, 2), False, [1, 2, 16]),  # grouped-query heads: every step
-    ("llama", (4, 4), False, [1]),         # one query head per kv head: one-row steps only
-    ("llama", (4, 4), True, [1, 2, 16]),   # COLDSTART_DECODE_ATTENTION=triton
-])
-def test_attention_kernel_is_used_where_it_was_measured_faster(arch, heads, always, rows_using_it, tmp_path):
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
+def test_attention_kernel_serves_every_decode_step_with_one_key_bound(heads, tmp_path):
+    """The Triton attention, once it passed its self-test, takes every decode step, grouped-query
+    heads or not; a step through it needs one graph per batch size (each row reads its keys up
+    to its own position), a step through the matmuls one per key-length bucket."""
     from weights import PackOptions, load, pack
 
-    hf, cfg = hf_model(arch, num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    hf, cfg = hf_model("llama", num_attention_heads=heads[0], num_key_value_heads=heads[1])
     hf.save_pretrained(tmp_path / "hf")  # packed: q, k, v side by side, so the fused decode path applies
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
     model = build_model(m.config, m.tensors)
-    assert not model.attention_kernel_for(1)  # not enabled (CPU)
-    model.use_attention_kernel, model.attention_kernel_always = True, always
-    assert [r for r in (1, 2, 16) if model.attention_kernel_for(r)] == rows_using_it
+    buckets = (512, 2048, 4096)
+    assert not any(model.attention_kernel_for(r) for r in (1, 2, 16))  # not enabled (CPU)
+    assert all(model.decode_kv_lens(r, buckets) == buckets for r in (1, 2, 16))
+    model.use_attention_kernel = model.use_kernels = True  # (on CPU the kernels' torch references run)
+    assert all(model.attention_kernel_for(r) for r in (1, 2, 16))
+    assert all(model.decode_kv_lens(r, buckets) == (4096,) for r in (1, 2, 16))
+    model.model.layers[1].self_attn.qkv_w = None  # a layer whose q, k, v are apart: the matmuls
+    assert not model.attention_kernel_for(1) and model.decode_kv_lens(1, buckets) == buckets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
+def test_one_graph_per_batch_size_where_the_attention_reads_to_each_position(heads, tmp_path):
+    """The decode steps go through the Triton attention (every row reads its keys up to its
+    own position): the engine captures one graph per batch size, at the longest key length.
+    Greedy tokens equal transformers' for prompts whose decode crosses the smaller buckets,
+    alone and batched."""
+    from deployments.engine import Engine, EngineConfig, SamplingParams
+    from weights import PackOptions, load, pack
+
+    pytest.importorskip("triton")
+    hf, cfg = hf_model("llama", num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    hf.save_pretrained(tmp_path / "hf")
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
+    model = build_model(m.config, m.tensors)
+    assert model.use_attention_kernel
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, prefill_chunk=16, kv_len_buckets=(24, 48)))
+    eng.start()
+    try:
+        assert eng.stats()["graphs"] == 3  # batch sizes 1, 2, 4, each at the longest key length
+        prompts = [[3, 5, 7, 11, 13] * 4, [9] * 7, [2, 4] * 10]
+        params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        alone = eng.generate(prompts[0], params)[0]
+        batched = [h.result(timeout=60)[0] for h in [eng.submit(p, params) for p in prompts]]
+    finally:
+        eng.shutdown()
+    assert alone == batched[0] == hf_greedy(hf, prompts[0], 40)
+    assert batched[1:] == [hf_greedy(hf, p, 40) for p in prompts[1:]]
 
 
 def test_model_decodes_with_torch_kernels_when_triton_fails(monkeypatch, caplog):
