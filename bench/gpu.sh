@@ -71,9 +71,7 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
              python3 bench/start_profile.py $W/packed 2>&1 | tail -1
              python3 bench/start_profile.py $W/packed --top 80 --out "$out/start-profile-kept.json" 2>&1 | tail -4
              python3 bench/start_profile.py $W/packed --scope engine-start --top 120 \
-               --out "$out/start-profile-kept-engine.json" 2>&1 | tail -22
-             COLDSTART_DECODE_ATTENTION=triton python3 bench/start_profile.py $W/packed --scope engine-start \
-               --out "$out/start-profile-kept-triton-attention.json" 2>&1 | tail -2 ;;
+               --out "$out/start-profile-kept-engine.json" 2>&1 | tail -22 ;;
     firstlaunch) # the engine's first eager decode launches (batch 1: 0.3-0.4 s, batch 2: 0.25 s, the
              # others 25-60 ms) under torch.profiler, as on a node that ran the model before; then the
              # same start with CUDA's modules loaded when the context is made instead of at first use
