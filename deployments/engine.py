@@ -62,7 +62,7 @@ class EngineConfig:
     """Decode batch buckets; None -> 1, 2, 4, ... < max_slots, and max_slots."""
     kv_len_buckets: tuple[int, ...] | None = None
     """Decode key-length buckets; None -> 512, 2048, max_seq_len (each graph reads keys up to its bucket;
-    a batch size whose step reads each row's keys only up to its position gets the longest alone)."""
+    a model whose steps read each row's keys only up to its position gets the longest alone)."""
     reserve_bytes: int = 1 * GiB
     """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
     prefill_padding: bool = True
@@ -185,11 +185,10 @@ class Engine:
         self._inp = torch.zeros(3, maxb, dtype=torch.int64, device=self.device)
         self._stage = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
-        # each batch size's key-length bounds (a graph each): all of kv_len_buckets where the
-        # step reads keys up to the bound, the longest alone where it reads each row's own
+        # the decode steps' key-length bounds (a graph each per batch size): all of kv_len_buckets
+        # where a step reads keys up to the bound, the longest alone where it reads each row's own
         kv_lens = getattr(model, "decode_kv_lens", None)
-        self._kv_lens = {B: kv_lens(B, cfg.kv_len_buckets) if kv_lens else cfg.kv_len_buckets
-                         for B in cfg.graph_batch_sizes}
+        self._kv_lens = kv_lens(cfg.kv_len_buckets) if kv_lens else cfg.kv_len_buckets
         self._use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
         self._prefill_lengths = (prefill_lengths(cfg.prefill_chunk, cfg.prefill_min_len)
                                  if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
@@ -374,7 +373,7 @@ class Engine:
         self._stats["prime_wait_s"] = round(time.perf_counter() - t, 4)
         self._stats["prime_steps_s"] = prime.steps()
         for B in reversed(cfg.graph_batch_sizes):
-            for L in reversed(self._kv_lens[B]):
+            for L in reversed(self._kv_lens):
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the loader's threads may still be copying weights meanwhile (their
                 # CUDA calls must not invalidate this capture, nor be refused because of it)
@@ -567,7 +566,7 @@ class Engine:
             return
         cfg = self.config
         B = _bucket(max(s.slot for s in seqs) + 1, cfg.graph_batch_sizes)
-        L = _bucket(max(s.pos for s in seqs) + 1, self._kv_lens[B])
+        L = _bucket(max(s.pos for s in seqs) + 1, self._kv_lens)
         self._stage_inputs(B, seqs)
         if self._use_graphs:
             g, logits = self._graphs[(B, L)]

@@ -303,7 +303,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
         self.use_kernels = False  # set by build_native: Triton kernels on CUDA (deployments.kernels)
-        self.use_attention_kernel = False  # and the flash-decoding attention (see attention_kernel_for)
+        self.use_attention_kernel = False  # and the flash-decoding attention (see attention_kernel)
         self.gemv_shapes: frozenset = frozenset()  # and batch-1 projections of these shapes (N, K)
         self.build_s: dict[str, float] = {}  # build_native's steps, seconds (assemble, kernel tests, GEMV choice)
 
@@ -388,20 +388,20 @@ class Transformer(nn.Module):
         in one view; rope_store_kv writes the cache)."""
         return self.use_kernels and all(la.self_attn.qkv_w is not None for la in self.model.layers)
 
-    def attention_kernel_for(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows uses the Triton attention: every step, where
-        it passed its self-test and q, k, v are one view (bench/kernel_sweep.py, H200: faster
-        than the batched matmuls at every batch size and length measured, with grouped-query
-        heads or without, and more so where a batch's rows differ in length, since each reads
-        its keys only up to its own position)."""
-        return self.use_attention_kernel and all(la.self_attn.qkv_w is not None for la in self.model.layers)
+    def attention_kernel(self) -> bool:
+        """Whether the decode steps use the Triton attention: every step, where it passed its
+        self-test and the fused path runs (bench/kernel_sweep.py, H200: faster than the batched
+        matmuls at every batch size and length measured, with grouped-query heads or without,
+        and more so where a batch's rows differ in length, since each reads its keys only up
+        to its own position)."""
+        return self.use_attention_kernel and self._fused_decode()
 
-    def decode_kv_lens(self, rows: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
-        """The key-length bounds (of the engine's ``buckets``, ascending) a decode step of
-        ``rows`` rows needs its own CUDA graph for: the Triton attention reads each row's keys
-        up to the row's own position whatever the bound, so the longest serves every step;
-        the batched matmuls read up to the bound, so each bucket saves reading."""
-        return buckets[-1:] if self.use_kernels and self.attention_kernel_for(rows) else buckets
+    def decode_kv_lens(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        """The key-length bounds (of the engine's ``buckets``, ascending) that need a CUDA graph
+        each: the Triton attention reads each row's keys up to the row's own position whatever
+        the bound, so the longest serves every step; the batched matmuls read up to the bound,
+        so each bucket saves reading."""
+        return buckets[-1:] if self.attention_kernel() else buckets
 
     def _check_len(self, n: int) -> None:
         if n > self.rope_len:
@@ -475,7 +475,7 @@ class Transformer(nn.Module):
         cfg = self.config
         pos2 = positions.view(B, 1)
         masks = {}
-        attention_kernel = self.use_kernels and self.attention_kernel_for(B)
+        attention_kernel = self.attention_kernel()
         # the Triton attention takes its masks from the positions: build none when every layer
         # uses it (nor the comparisons they take: each torch kernel's first use in a process
         # loads its module, tens of milliseconds of a replica's start)
