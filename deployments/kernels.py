@@ -39,8 +39,11 @@ from deployments import head_start
 
 triton = None
 # A CPU-only process skips the import (0.2 s); the interpreter (TRITON_INTERPRET=1, the
-# tests) runs the kernels on CPU tensors, so it imports Triton there too.
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+# tests) runs the kernels on CPU tensors, so it imports Triton there too. Decided without
+# calling CUDA (a CUDA build of torch, a GPU driver's device file): a replica may import this
+# module before Ray has set its CUDA_VISIBLE_DEVICES (deployments.early), and CUDA fixes the
+# devices a process sees at its first call.
+if (torch.version.cuda and head_start.gpu_expected("auto")) or os.environ.get("TRITON_INTERPRET") == "1":
     try:
         import triton
         import triton.language as tl

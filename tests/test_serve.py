@@ -124,6 +124,12 @@ def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
         r = _answers_generate()
         assert (tmp_path / "weights" / "demo" / "model.cst").is_file()  # made on first run
         assert r.json()["usage"]["completion_tokens"] >= 1
+        # serve_config.yaml's worker setup hook ran in the replica's process and imported the
+        # engine's modules there, before Ray handed it the actor
+        stats = httpx.get(BASE + "/stats", timeout=30).json()
+        early = stats["early_import"]
+        assert {"hook_at", "torch_at", "done_at"} <= set(early), early
+        assert early["hook_at"] < stats["constructor_started_at"], (early, stats["constructor_started_at"])
 
         from openai import OpenAI
         client = OpenAI(base_url=BASE + "/v1", api_key="none", max_retries=0)
