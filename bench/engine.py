@@ -216,6 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
                                      "first_prefill_ms": st.get("first_prefill_ms")}), flush=True)
         return res
 
+    engine.capture_deferred()  # as the replica does once warm: measured once every graph is there
+    deadline = time.time() + 300
+    while engine.stats()["graphs_deferred"] and engine.alive() and time.time() < deadline:
+        time.sleep(0.01)
+    res["late_captures"] = engine.stats()["late_captures"]  # batch size: [ms, why]
     times, ttfts, decodes, queues, allocs = [], [], [], [], []
     for _ in range(10):
         a = device_allocs(device)

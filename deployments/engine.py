@@ -25,6 +25,7 @@ fails every request, and `alive()` turns False with the exception in `.error`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import itertools
@@ -58,6 +59,13 @@ class EngineConfig:
     """Prompt tokens prefilled per loop turn (and per forward)."""
     cuda_graphs: bool = True
     """Capture the decode step as CUDA graphs (ignored on CPU and for the transformers fallback)."""
+    lazy_graphs: bool = True
+    """Capture only the smallest batch size's graphs in ``start``; the loop thread captures each
+    other batch size when a decode step first needs it, or when it is idle once
+    ``capture_deferred`` was called (the replica calls it after its warm-up). Each batch size's
+    first launch loads kernels of its own (58-111 ms on an H200 for 2-16 rows of the 7B), so
+    this takes some 0.3 s off a replica's start; a batch size's first step pays its capture
+    (~0.1 s) only where the replica was never idle before it. False: every graph in ``start``."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch buckets; None -> 1, 2, 4, ... < max_slots, and max_slots."""
     kv_len_buckets: tuple[int, ...] | None = None
@@ -85,7 +93,7 @@ class EngineConfig:
             not isinstance(self.max_seq_len, int) or isinstance(self.max_seq_len, bool) or self.max_seq_len < 2
         ):
             raise ValueError(f"EngineConfig.max_seq_len must be an int >= 2 or None, got {self.max_seq_len!r}")
-        for name in ("cuda_graphs", "prefill_padding"):
+        for name in ("cuda_graphs", "lazy_graphs", "prefill_padding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
@@ -112,10 +120,8 @@ class EngineConfig:
         bs = sorted(set(self.graph_batch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < self.max_slots]))
         bs = sorted(set(bs) | {self.max_slots})  # the largest batch must always have a graph
         kv = sorted({min(b, msl) for b in (self.kv_len_buckets or (512, 2048))} | {msl})
-        return EngineConfig(
-            self.max_slots, msl, min(self.prefill_chunk, msl), self.cuda_graphs, tuple(bs), tuple(kv), self.reserve_bytes,
-            self.prefill_padding, self.prefill_min_len,
-        )
+        return dataclasses.replace(self, max_seq_len=msl, prefill_chunk=min(self.prefill_chunk, msl),
+                                   graph_batch_sizes=tuple(bs), kv_len_buckets=tuple(kv))
 
 
 def prefill_lengths(chunk: int, min_len: int = 16) -> tuple[int, ...]:
@@ -185,6 +191,13 @@ class Engine:
         self._inp = torch.zeros(3, maxb, dtype=torch.int64, device=self.device)
         self._stage = torch.zeros(3, maxb, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None  # the graphs' shared memory pool (made by the first capture)
+        self._deferred: list[int] = []  # batch sizes whose graphs are not captured yet (lazy_graphs)
+        self._eager_sizes: set[int] = set()  # batch sizes whose late capture ran out of memory
+        self._capture_when_idle = False  # capture_deferred() called
+        # held by the loop thread while it captures: a device-wide synchronize from another
+        # thread (the replica's health check) waits instead of landing inside a capture
+        self.capture_lock = threading.Lock()
         # the decode steps' key-length bounds (a graph each per batch size): all of kv_len_buckets
         # where a step reads keys up to the bound, the longest alone where it reads each row's own
         kv_lens = getattr(model, "decode_kv_lens", None)
@@ -210,7 +223,8 @@ class Engine:
         self._ids = itertools.count(1)
         self.error: BaseException | None = None
         self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0,
-                       "first_launch_s": 0.0, "first_prefill_s": 0.0, "batched_prefills": 0}
+                       "first_launch_s": 0.0, "first_prefill_s": 0.0, "batched_prefills": 0,
+                       "late_capture_s": 0.0, "late_captures": {}}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -260,6 +274,14 @@ class Engine:
         self._wake.set()
         return handle
 
+    def capture_deferred(self) -> None:
+        """Let the loop thread capture the graphs ``start`` deferred (``lazy_graphs``) whenever it
+        is idle, one batch size at a time, smallest first (a step that needs one first captures
+        it anyway). The replica calls this once warm, so that the warm-up's own requests never
+        wait behind a capture."""
+        self._capture_when_idle = True
+        self._wake.set()
+
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """Blocking convenience: (token_ids, text, finish_reason)."""
         return self.submit(prompt_ids, params).result()
@@ -286,7 +308,9 @@ class Engine:
             "waiting": waiting,
             "free_slots": len(self._free),
             "graphs": len(self._graphs),
+            "graphs_deferred": len(self._deferred),
             **self._stats,
+            "late_captures": dict(self._stats["late_captures"]),  # (the loop thread adds to it)
         }
 
     def shutdown(self) -> None:
@@ -347,24 +371,16 @@ class Engine:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """One CUDA graph per (batch bucket, kv-length bucket), largest first, sharing one memory pool."""
+        """``start``'s graphs: one per (batch bucket, kv-length bucket), largest first, sharing one
+        memory pool; with ``lazy_graphs`` the smallest batch size's alone (the rest are deferred)."""
         t0 = time.perf_counter()
         cfg = self.config
-        self._stage_inputs(cfg.max_slots, [])
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        sizes = cfg.graph_batch_sizes[:1] if cfg.lazy_graphs else cfg.graph_batch_sizes
+        self._deferred = [b for b in cfg.graph_batch_sizes if b not in sizes]
+        self._pool = torch.cuda.graph_pool_handle()
         from deployments import head_start
         head_start.wait()  # Triton's per-process set-up (the kernels' self-tests may not have launched any)
-        each: dict[int, float] = {}
-        with torch.cuda.stream(side):  # warm-up (cuBLAS handles, lazy kernels) must precede capture
-            for B in cfg.graph_batch_sizes:
-                t = time.perf_counter()
-                self._decode_eager(B, cfg.kv_len_buckets[-1])
-                side.synchronize()
-                each[B] = round((time.perf_counter() - t) * 1e3, 2)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
+        each = self._first_launches(sizes)
         self._stats["first_launch_s"] = time.perf_counter() - t0
         self._stats["first_launch_ms"] = each  # per batch size: the kernels it is the first to load
         from deployments import prime
@@ -372,22 +388,68 @@ class Engine:
         self._stats["prime_s"] = prime.wait()  # nothing launches beside the capture (None: not primed)
         self._stats["prime_wait_s"] = round(time.perf_counter() - t, 4)
         self._stats["prime_steps_s"] = prime.steps()
-        for B in reversed(cfg.graph_batch_sizes):
+        self._stats["graphs_uploaded"] = self._upload_graphs(self._capture_graphs(sizes))
+        torch.cuda.synchronize(self.device)
+        self._stats["capture_s"] = time.perf_counter() - t0
+        log.info("captured %d decode graphs in %.2f s (%.2f s of it the first eager launches)%s",
+                 len(self._graphs), self._stats["capture_s"], self._stats["first_launch_s"],
+                 f"; batch sizes {self._deferred} deferred" if self._deferred else "")
+
+    def _first_launches(self, sizes: tuple[int, ...] | list[int]) -> dict[int, float]:
+        """One eager decode step per batch size, every row padding, on a side stream (warm-up:
+        cuBLAS handles, lazily loaded kernels, must precede a capture); ms each: the kernels that
+        size is the first to load."""
+        self._stage_inputs(max(sizes), [])
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        each: dict[int, float] = {}
+        with torch.cuda.stream(side):
+            for B in sizes:
+                t = time.perf_counter()
+                self._decode_eager(B, self.config.kv_len_buckets[-1])
+                side.synchronize()
+                each[B] = round((time.perf_counter() - t) * 1e3, 2)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        return each
+
+    def _capture_graphs(self, sizes: tuple[int, ...] | list[int]) -> list[Any]:
+        """Capture each batch size's graphs (one per key-length bound) into the shared pool; the
+        new graphs. The inputs' rows must hold padding (``_first_launches`` staged it)."""
+        new = []
+        for B in sorted(sizes, reverse=True):
             for L in reversed(self._kv_lens):
                 g = torch.cuda.CUDAGraph()
                 # thread_local: the loader's threads may still be copying weights meanwhile (their
                 # CUDA calls must not invalidate this capture, nor be refused because of it)
-                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                     out = self._decode_eager(B, L)
                 self._graphs[(B, L)] = (g, out)
-        self._stats["graphs_uploaded"] = self._upload_graphs()
-        torch.cuda.synchronize(self.device)
-        self._stats["capture_s"] = time.perf_counter() - t0
-        log.info("captured %d decode graphs in %.2f s (%.2f s of it the first eager launches)",
-                 len(self._graphs), self._stats["capture_s"], self._stats["first_launch_s"])
+                new.append(g)
+        return new
 
-    def _upload_graphs(self) -> int:
-        """Upload every captured graph to the device now; returns how many were. A graph
+    def _capture_late(self, B: int, why: str) -> None:
+        """In the loop thread, between steps: capture deferred batch size ``B`` (first launch,
+        capture, upload), recorded in stats ``late_captures`` as {B: [ms, why]}. Out of device
+        memory, ``B`` stays eager (logged) instead of failing the loop."""
+        t = time.perf_counter()
+        with self.capture_lock:
+            self._deferred.remove(B)
+            try:
+                self._first_launches([B])
+                self._upload_graphs(self._capture_graphs([B]))
+                torch.cuda.synchronize(self.device)
+            except torch.OutOfMemoryError as e:
+                for L in self._kv_lens:
+                    self._graphs.pop((B, L), None)
+                self._eager_sizes.add(B)
+                log.warning("no CUDA graph for batch size %d (%s): its steps run eagerly", B, e)
+        ms = round((time.perf_counter() - t) * 1e3, 2)
+        self._stats["late_captures"][B] = [ms, why]
+        self._stats["late_capture_s"] += ms / 1e3
+
+    def _upload_graphs(self, graphs: list[Any]) -> int:
+        """Upload ``graphs`` to the device now; returns how many were. A graph
         that is not uploaded is uploaded by its first launch, which would be a user's decode
         step: the warm-up replays only the graphs of its own batch sizes and key lengths.
         Needs the graph's executable handle (torch >= 2.9) and torch's libcudart; 0 without."""
@@ -400,7 +462,7 @@ class Engine:
             return 0
         stream = torch.cuda.current_stream(self.device).cuda_stream
         n = 0
-        for g, _ in self._graphs.values():
+        for g in graphs:
             try:
                 rt.graph_upload(g.raw_cuda_graph_exec(), stream)
             except (CudaError, RuntimeError) as e:  # nothing lost: the first launch uploads it
@@ -421,6 +483,9 @@ class Engine:
                 while not self._stop.is_set():
                     self._intake()
                     if not (self._waiting or self._prefilling or self._decoding or self._pending):
+                        if self._capture_when_idle and self._deferred:  # one size, then look again
+                            self._capture_late(self._deferred[0], "idle")
+                            continue
                         self._wake.wait(0.1)
                         self._wake.clear()
                         continue
@@ -567,8 +632,10 @@ class Engine:
         cfg = self.config
         B = _bucket(max(s.slot for s in seqs) + 1, cfg.graph_batch_sizes)
         L = _bucket(max(s.pos for s in seqs) + 1, self._kv_lens)
+        if self._use_graphs and B in self._deferred:  # (stages padding: before this step's inputs)
+            self._capture_late(B, "step")
         self._stage_inputs(B, seqs)
-        if self._use_graphs:
+        if self._use_graphs and B not in self._eager_sizes:
             g, logits = self._graphs[(B, L)]
             g.replay()
         else:

@@ -267,6 +267,9 @@ class LLMServer:
         plan = WarmupPlan.from_user_config(user_config)
         with self.timer.phase("warmup"):
             self._warmup(plan)
+        # the graphs of batch sizes the warm-up did not use (engine.lazy_graphs): captured by
+        # the engine's loop whenever it is idle from now on, never ahead of the warm-up's requests
+        self.engine.capture_deferred()
         if plan.hold_s and not self.warm:
             time.sleep(plan.hold_s)
         self.warmups += 1
@@ -286,7 +289,8 @@ class LLMServer:
         if not self.engine.alive():
             raise RuntimeError(f"engine loop is not running: {self.engine.error!r}")
         from deployments.runtime import device_error
-        err = device_error(self.device)
+        with self.engine.capture_lock:  # its device-wide synchronize never lands inside a capture
+            err = device_error(self.device)
         if err:
             raise RuntimeError(err)
         self.metrics.sample_gpu(self.device)
@@ -528,10 +532,11 @@ class LLMServer:
         return JSONResponse({"injected": kind, "replica": self.replica_id})
 
     async def _stats(self, request: Request) -> Response:
-        from deployments import IMPORTED_AT
+        from deployments import IMPORTED_AT, early
         from deployments.runtime import process_start_time
         return JSONResponse({"warm": self.warm, "replica": self.replica_id,
                              "process_started_at": process_start_time(), "imported_at": IMPORTED_AT,
+                             "early_import": early.times(),
                              "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})

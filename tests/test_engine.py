@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -190,6 +191,7 @@ def test_bad_sampling_params_name_the_field(engine, kw, field):
         ({"max_seq_len": 10_000}, "max_seq_len"),  # above max_position_embeddings=256
         ({"prefill_chunk": -1}, "prefill_chunk"),
         ({"cuda_graphs": "yes"}, "cuda_graphs"),
+        ({"lazy_graphs": 1}, "lazy_graphs"),
         ({"graph_batch_sizes": (1, 8)}, "graph_batch_sizes"),
         ({"kv_len_buckets": (0,)}, "kv_len_buckets"),
     ],
@@ -393,22 +395,50 @@ def test_cuda_graph_decode_equals_eager():
     hf, config = hf_model("llama", num_hidden_layers=3)
     tensors = {k: v.to("cuda") for k, v in state_tensors(hf).items()}
     outs = []
-    for graphs in (False, True):
+    for graphs, lazy in ((False, False), (True, False), (True, True)):
         model = build_model(config, tensors)
-        eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, cuda_graphs=graphs, kv_len_buckets=(32,)))
+        eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, cuda_graphs=graphs, kv_len_buckets=(32,),
+                                               lazy_graphs=lazy))
         eng.start()
         try:
-            assert eng.stats()["graphs"] == (6 if graphs else 0)  # batch (1, 2, 4) x kv length (32, 128)
+            st = eng.stats()
+            # batch (1, 2, 4) x kv length (32, 128); lazy: batch 1's alone, 2 and 4 deferred
+            assert (st["graphs"], st["graphs_deferred"]) == ((2, 2) if lazy else (6, 0) if graphs else (0, 0))
             if graphs:  # each batch size's first eager step, timed on its own
-                assert sorted(eng.stats()["first_launch_ms"]) == [1, 2, 4]
+                assert sorted(st["first_launch_ms"]) == ([1] if lazy else [1, 2, 4])
             if graphs and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
-                assert eng.stats()["graphs_uploaded"] == 6  # none waits for its first launch to upload
+                assert st["graphs_uploaded"] == st["graphs"]  # none waits for its first launch to upload
             hs = [eng.submit(p, SamplingParams(max_new_tokens=40, **GREEDY)) for p in PROMPTS]
             outs.append([h.result(timeout=60)[0] for h in hs])
+            if lazy:  # five prompts on four slots: a decode step needed batch 4's graphs, and captured them
+                st = eng.stats()
+                assert st["late_captures"][4][1] == "step" and set(st["late_captures"]) <= {2, 4}, st
         finally:
             eng.shutdown()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     assert outs[0][0] == hf_greedy(hf, PROMPTS[0], 40)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deferred_graphs_are_captured_when_the_loop_is_idle():
+    hf, config = hf_model("llama", num_hidden_layers=3)
+    model = build_model(config, {k: v.to("cuda") for k, v in state_tensors(hf).items()})
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, kv_len_buckets=(32,)))  # lazy: the default
+    eng.start()
+    try:
+        time.sleep(0.3)
+        assert eng.stats()["graphs_deferred"] == 2  # nothing captured until capture_deferred
+        eng.capture_deferred()
+        deadline = time.time() + 60
+        while eng.stats()["graphs_deferred"] and time.time() < deadline:
+            time.sleep(0.01)
+        st = eng.stats()
+        assert st["graphs"] == 6 and {b: why for b, (_, why) in st["late_captures"].items()} == {2: "idle", 4: "idle"}
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=30, **GREEDY)) for p in PROMPTS[:4]]
+        assert [h.result(timeout=60)[0] for h in hs] == [hf_greedy(hf, p, 30) for p in PROMPTS[:4]]
+    finally:
+        eng.shutdown()
 
 
 def test_queue_wait_is_the_time_until_a_slot_was_free():

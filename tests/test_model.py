@@ -299,12 +299,12 @@ def test_attention_kernel_serves_every_decode_step_with_one_key_bound(heads, tmp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4)])
-def test_one_graph_per_batch_size_where_the_attention_reads_to_each_position(heads, tmp_path):
+@pytest.mark.parametrize("heads,lazy", [((4, 2), False), ((4, 4), False), ((4, 2), True)])
+def test_one_graph_per_batch_size_where_the_attention_reads_to_each_position(heads, lazy, tmp_path):
     """The decode steps go through the Triton attention (every row reads its keys up to its
     own position): the engine captures one graph per batch size, at the longest key length.
     Greedy tokens equal transformers' for prompts whose decode crosses the smaller buckets,
-    alone and batched."""
+    alone and batched (lazy: batch 4's graph captured by the step that first needs it)."""
     from deployments.engine import Engine, EngineConfig, SamplingParams
     from weights import PackOptions, load, pack
 
@@ -314,14 +314,18 @@ def test_one_graph_per_batch_size_where_the_attention_reads_to_each_position(hea
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
     model = build_model(m.config, m.tensors)
     assert model.use_attention_kernel
-    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, prefill_chunk=16, kv_len_buckets=(24, 48)))
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, prefill_chunk=16, kv_len_buckets=(24, 48),
+                                           lazy_graphs=lazy))
     eng.start()
     try:
-        assert eng.stats()["graphs"] == 3  # batch sizes 1, 2, 4, each at the longest key length
+        # batch sizes 1, 2, 4, each at the longest key length (lazy: batch 1's alone so far)
+        assert eng.stats()["graphs"] == (1 if lazy else 3)
         prompts = [[3, 5, 7, 11, 13] * 4, [9] * 7, [2, 4] * 10]
         params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
         alone = eng.generate(prompts[0], params)[0]
         batched = [h.result(timeout=60)[0] for h in [eng.submit(p, params) for p in prompts]]
+        if lazy:
+            assert eng.stats()["graphs"] == 2 and eng.stats()["late_captures"][4][1] == "step"
     finally:
         eng.shutdown()
     assert alone == batched[0] == hf_greedy(hf, prompts[0], 40)

@@ -496,6 +496,27 @@ def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(
 
 
 @gpu
+def test_gpu_replica_captures_the_rest_of_its_graphs_once_warm(tiny_packed):
+    """A GPU replica starts with batch 1's graph alone; once warm, its engine's idle loop
+    captures the other batch sizes', while health checks (a device-wide synchronize) go on."""
+    import time
+
+    s = LLMServer(str(tiny_packed), device="cuda", engine={"max_slots": 4, "max_seq_len": 128})
+    try:
+        assert s.engine.stats()["graphs_deferred"] == 2  # batch sizes 2 and 4
+        s.reconfigure({"warmup": {"requests": 1}})
+        deadline = time.time() + 60
+        while s.engine.stats()["graphs_deferred"] and time.time() < deadline:
+            s.check_health()
+        s.check_health()
+        st = s.engine.stats()
+        assert {b: why for b, (_, why) in st["late_captures"].items()} == {2: "idle", 4: "idle"}, st
+        assert len(_greedy(s)) > 0
+    finally:
+        s.shutdown()
+
+
+@gpu
 def test_gpu_cold_replica_trickles_holds_its_load_and_serves_the_same(tiny_packed, tmp_path):
     """Weights not in the page cache: the replica trickles them in, its loader's bulk read
     waits for the engine's build (load_held), and it serves what a warm replica serves."""
