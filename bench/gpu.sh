@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project, in stages, on one machine:
-#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels attention starts profile startprofile startprofile-kept firstlaunch firstlaunch-load prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
+#   bash bench/gpu.sh OUT tests ckpt load coldsweep coldimport kernels attention starts profile startprofile startprofile-kept firstlaunch firstlaunch-load prime serve-prime prime-order kvalloc firstprefill firstanatomy engine startenv serve serve-warm serve-add-cold serve-early serve-floors serve-cold naive-warm naive-cold scaleup serve-beside-load serve-cold-trickle startsplit
 # OUT receives the logs and result files. The 7B random checkpoint and its packed
 # copy are made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -50,6 +50,14 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
              # (SERVE_EXTRA: more arguments, e.g. --variant NAME=JSON without spaces)
              python3 bench/serve.py --out "$out" --report "$out" $a ${SERVE_EXTRA:-} > "$out/$stage.log" 2>&1; r=$?
              grep -E "warm after|^- " "$out/$stage.log"; (exit $r) ;;
+    serve-early) # the replica's start with each of its newest steps left out in turn, warm page cache, three
+             # rounds: coldstart-late without the worker setup hook's imports (deployments.early),
+             # coldstart-eager capturing every graph before it serves (engine.lazy_graphs false),
+             # beside minimal-cached and minimal-early (torch imported from the same hook)
+             python3 bench/serve.py --out "$out" --kinds minimal-cached,minimal-early,coldstart,coldstart-late \
+               --caches warm --repeat 3 --variant eager='{"engine": {"lazy_graphs": false}}' \
+               > "$out/serve-early.log" 2>&1; r=$?
+             grep -E "warm after|^- " "$out/serve-early.log"; (exit $r) ;;
     serve-floors) # coldstart beside both minimal replicas, warm page cache, five deploys each
              python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches warm --repeat 5 \
                > "$out/serve-floors.log" 2>&1; r=$?

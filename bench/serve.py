@@ -15,7 +15,12 @@ replica, so the worker's process start and every import inside it count.
   minimal-cached  the same, after turning on the per-node bytecode cache a coldstart replica
                 uses where the interpreter keeps no .pyc of its own (deployments.bytecode):
                 the floor for a replica that compiles none of torch's modules either
-  coldstart     deployments.app.LLMDeployment on the packed model (warm-up in reconfigure)
+  minimal-early  minimal-cached with serve_config.yaml's worker setup hook importing torch
+                (deployments.early, COLDSTART_EARLY_IMPORT=torch): the floor for a replica that
+                imports torch beside Ray's start of its worker too
+  coldstart     deployments.app.LLMDeployment on the packed model (warm-up in reconfigure),
+                with serve_config.yaml's runtime_env env vars, as `serve run` deploys it
+  coldstart-late  the same without the setup hook's imports (COLDSTART_EARLY_IMPORT=0)
   transformers  __init__: import transformers, from_pretrained(device_map="cuda");
                 reconfigure: one generate (512-token prompt, 16 new tokens)
   transformers-cached  the same with the bytecode cache (see minimal-cached)
@@ -60,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.load import ensure_checkpoint, warm_cache  # noqa: E402
 from bench.load import run as run_limit  # noqa: E402
-from deployments import bytecode  # noqa: E402
+from deployments import bytecode, early  # noqa: E402
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
        # Triton's kernel cache: the deployments find the 7B's kernels there, as on a node that ran
@@ -73,8 +78,13 @@ WORKER_PYC = {"PYTHONPYCACHEPREFIX": bytecode.cache_dir() or os.path.join(tempfi
               "PYTHONDONTWRITEBYTECODE": ""}
 BASE = "http://127.0.0.1:8000"
 # the warm-up plan users run: serve_config.yaml's user_config
-WARMUP = next(d["user_config"] for d in yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-              ["applications"][0]["deployments"] if d["name"] == "LLMDeployment")
+_APP = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
+WARMUP = next(d["user_config"] for d in _APP["deployments"] if d["name"] == "LLMDeployment")
+# and its runtime_env's env vars (the worker setup hook among them: deployments.early), which
+# every coldstart replica of the run gets, as `serve run serve_config.yaml` gives them
+CONFIG_ENV = {k: str(v) for k, v in ((_APP.get("runtime_env") or {}).get("env_vars") or {}).items()}
+# minimal-early: the minimal replica with the same hook, importing torch alone
+EARLY_TORCH = {early.ENV_VAR: early.HOOK, "COLDSTART_EARLY_IMPORT": "torch"}
 
 
 def _dev() -> str:
@@ -97,10 +107,11 @@ class Minimal:
         self.warm_at = time.time()  # no reconfigure: ready when the constructor returns
 
     async def __call__(self, request: Request):
+        from deployments import early
         from deployments.runtime import process_start_time
         return JSONResponse({"phases": self.phases, "warm_at": self.warm_at,
                              "constructor_started_at": self.constructor_started_at,
-                             "process_started_at": process_start_time()})
+                             "process_started_at": process_start_time(), "early_import": early.times()})
 
 
 @serve.deployment(user_config={})
@@ -194,6 +205,9 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
         res["to_constructor_s"] = info["constructor_started_at"] - deployed_at
         if info.get("imported_at"):
             res["to_project_import_s"] = info["imported_at"] - deployed_at
+    if info.get("early_import"):  # the worker setup hook (deployments.early): when, and each import done
+        res["early_import_s"] = {k.removesuffix("_at"): round(v - deployed_at, 3)
+                                 for k, v in info["early_import"].items()}
     print(f"  {name:22s} warm after {warm:6.2f} s, RUNNING after {t_running:6.2f} s, "
           f"first 200 after {t_200:6.2f} s, constructor after {res.get('to_constructor_s', float('nan')):5.2f} s  "
           f"phases {json.dumps({k: round(v, 3) for k, v in res['phases'].items()})}", flush=True)
@@ -201,10 +215,12 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
 
 
 # deployed --repeat times per cache (the +2 s goal compares these two); the others once
-REPEATED = ("minimal", "minimal-cached", "minimal-worker-cached", "coldstart")
+REPEATED = ("minimal", "minimal-cached", "minimal-early", "minimal-worker-cached", "coldstart")
 # the goals: coldstart (as deployed, and with the worker-wide cache) against each floor
 MINUS = (("coldstart", "minimal", "goal: + 2 s or less"),
          ("coldstart", "minimal-cached", "the same goal against a floor that compiles none of torch's modules either"),
+         ("coldstart", "minimal-early",
+          "the same goal against a floor that imports torch from the same worker setup hook"),
          ("coldstart-worker-cached", "minimal-worker-cached",
           "the same goal, both with the bytecode cache for the whole worker process"))
 OVER = (("coldstart", "transformers", "goal: 1/3 or less"),
@@ -215,7 +231,7 @@ OVER = (("coldstart", "transformers", "goal: 1/3 or less"),
         ("coldstart-worker-cached", "transformers-worker-cached",
          "the same goal, both with the worker-wide bytecode cache"))
 # replicas whose engine computes as the default one does: their answers must all agree
-SAME_ANSWER = ("coldstart", "coldstart-worker-cached")
+SAME_ANSWER = ("coldstart", "coldstart-late", "coldstart-worker-cached")
 
 
 def _key(*parts: str) -> str:
@@ -539,6 +555,7 @@ def main() -> None:
     hf_rep = TransformersReplica.options(ray_actor_options=gpus)
     worker_cached = {**gpus, "runtime_env": {"env_vars": {**ENV, **WORKER_PYC}}}
     minimal_w = Minimal.options(ray_actor_options=worker_cached)
+    minimal_e = Minimal.options(ray_actor_options={**gpus, "runtime_env": {"env_vars": {**ENV, **EARLY_TORCH}}})
     hf_rep_w = TransformersReplica.options(ray_actor_options=worker_cached)
     # a throwaway deploy, so every measured one finds Serve's proxy and controller up, and the
     # per-node bytecode cache holds torch's modules where replicas keep one (deployments.bytecode),
@@ -547,8 +564,8 @@ def main() -> None:
 
     def ours(tag: str, variant: dict | None = None) -> dict:
         v = variant or {}
-        env = v.get("env") or {}
-        opts = {**gpus, "runtime_env": {"env_vars": {**ENV, **env}}} if env else gpus
+        env = {**CONFIG_ENV, **(v.get("env") or {})}
+        opts = {**gpus, "runtime_env": {"env_vars": {**ENV, **env}}}
         dep = LLMDeployment.options(ray_actor_options=opts, user_config=WARMUP)
         app = dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu",
                        engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024,
@@ -559,7 +576,9 @@ def main() -> None:
 
     kinds = {"minimal": lambda tag: measure(f"minimal-{tag}", minimal.bind(), "", {}),
              "minimal-cached": lambda tag: measure(f"minimal-cached-{tag}", minimal.bind(True), "", {}),
+             "minimal-early": lambda tag: measure(f"minimal-early-{tag}", minimal_e.bind(True), "", {}),
              "coldstart": ours,
+             "coldstart-late": lambda tag: ours(tag, {"name": "late", "env": {"COLDSTART_EARLY_IMPORT": "0"}}),
              "transformers": lambda tag: measure(f"transformers-{tag}", hf_rep.bind(str(hf)), "", {}),
              "transformers-cached": lambda tag: measure(f"transformers-cached-{tag}",
                                                         hf_rep.bind(str(hf), False, True), "", {}),
