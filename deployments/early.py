@@ -15,7 +15,8 @@ thread imports modules only, none of which calls CUDA at import (``deployments.k
 decides on Triton from the build and the driver's device file, not from
 ``torch.cuda.is_available()``); the context, the kernels' self-tests and Triton's driver stay
 in the constructor. The bytecode cache (``deployments.bytecode``) is turned on first, as the
-constructor would.
+constructor would: where the packages carry no ``.pyc`` files, Ray's own imports after the hook
+(Serve's replica module among them) then read compiled modules too.
 
 Ray takes the hook from the reserved env var ``__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR`` (its
 ``runtime_env.worker_process_setup_hook`` field sets that var for a job's workers only, not for

@@ -11,7 +11,9 @@ One background thread owns the device. Each turn of its loop:
      in one batch, B rounded up to a graph bucket, keys read up to a kv-length
      bucket (or, through the Triton attention, up to each row's own position, one
      graph per batch size); on CUDA this is a CUDA-graph replay, on CPU the same
-     code eagerly;
+     code eagerly (``start`` captures batch 1's graphs; another batch size's are
+     captured by the first step that needs them, or by the idle loop once
+     ``capture_deferred`` was called: ``EngineConfig.lazy_graphs``);
   5. while the device runs it, detokenizes the previous step's tokens, checks
      stop strings and streams chunks (a sequence that a stop string ends there
      has its token of the running step dropped);
