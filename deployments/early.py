@@ -22,8 +22,8 @@ Ray takes the hook from the reserved env var ``__RAY_WORKER_PROCESS_SETUP_HOOK_E
 ``runtime_env.worker_process_setup_hook`` field sets that var for a job's workers only, not for
 one application's replicas); a process without it, or with env COLDSTART_EARLY_IMPORT=0, imports
 in the constructor as before (a comma-separated list of modules imports those instead of
-``MODULES``; bench/serve.py's minimal-early imports torch alone). A hook that fails never fails the worker: the constructor's
-imports raise the error where the replica reports it.
+``MODULES``; bench/serve.py's minimal-early imports torch alone). A hook that fails never fails
+the worker: the constructor's imports raise the error where the replica reports it.
 """
 
 from __future__ import annotations
