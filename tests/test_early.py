@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deployments import early
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +69,29 @@ def test_a_failed_import_is_left_to_the_constructor():
     out = _run(_PROBE, COLDSTART_EARLY_IMPORT="json,no_such_module_here")
     assert out["imported"] == ["json"] and "done_at" in out["times"]  # the thread ended, the process goes on
     assert out["errors"] == ["ModuleNotFoundError"]
+
+
+_AFTER_HOOK = """
+import json, os
+os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # as a worker starts: Ray has not chosen its GPU yet
+from deployments import early
+early.hook()
+assert early.wait(240) and not early._error, early._error
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # what Ray sets once the actor arrives (here: no GPU)
+import torch
+# the CUDA runtime's own count, fixed when the driver was first initialised in this process
+# (torch.cuda.device_count() would ask NVML, which reads the variable at every call)
+print(json.dumps({"count": torch._C._cuda_getDeviceCount()}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl"), reason="needs an NVIDIA driver")
+def test_the_devices_a_replica_sees_are_chosen_after_the_hook():
+    """Whatever the hook's imports run (torch, Triton, the engine's modules), none may make CUDA
+    enumerate the devices: CUDA_VISIBLE_DEVICES set after the hook must still decide them. (The
+    control: a process that calls torch.cuda.is_available() before setting it counts its GPU.)"""
+    assert _run(_AFTER_HOOK) == {"count": 0}
+    control = _AFTER_HOOK.replace("from deployments import early\nearly.hook()\nassert early.wait(240) and not "
+                                  "early._error, early._error\n", "import torch\ntorch.cuda.is_available()\n")
+    assert control != _AFTER_HOOK and _run(control)["count"] >= 1
