@@ -16,7 +16,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py tests/test_server.py \
-               tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_runtime.py tests/test_prime.py 2>&1 | tee "$out/gpu-tests.log" ;;
+               tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_runtime.py tests/test_prime.py tests/test_early.py 2>&1 | tee "$out/gpu-tests.log" ;;
     ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
     load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
     kernels) python3 bench/kernel_sweep.py --out "$out/kernel-sweep.json" 2>&1 | tail -40 ;;
