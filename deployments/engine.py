@@ -226,7 +226,7 @@ class Engine:
         self.error: BaseException | None = None
         self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "steps": 0, "finished": 0, "capture_s": 0.0,
                        "first_launch_s": 0.0, "first_prefill_s": 0.0, "batched_prefills": 0,
-                       "late_capture_s": 0.0, "late_captures": {}}
+                       "late_captures": {}}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -305,6 +305,7 @@ class Engine:
     def stats(self) -> dict:
         with self._lock:
             waiting = len(self._inbox) + len(self._waiting)
+        late = dict(self._stats["late_captures"])  # (a copy: the loop thread adds to it)
         return {
             "running": len(self._prefilling) + len(self._decoding),
             "waiting": waiting,
@@ -312,7 +313,8 @@ class Engine:
             "graphs": len(self._graphs),
             "graphs_deferred": len(self._deferred),
             **self._stats,
-            "late_captures": dict(self._stats["late_captures"]),  # (the loop thread adds to it)
+            "late_captures": late,
+            "late_capture_s": sum(ms for ms, _ in late.values()) / 1e3,
         }
 
     def shutdown(self) -> None:
@@ -448,7 +450,6 @@ class Engine:
                 log.warning("no CUDA graph for batch size %d (%s): its steps run eagerly", B, e)
         ms = round((time.perf_counter() - t) * 1e3, 2)
         self._stats["late_captures"][B] = [ms, why]
-        self._stats["late_capture_s"] += ms / 1e3
 
     def _upload_graphs(self, graphs: list[Any]) -> int:
         """Upload ``graphs`` to the device now; returns how many were. A graph
