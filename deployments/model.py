@@ -490,7 +490,8 @@ class Transformer(nn.Module):
             masks,
             cache,
             positions=positions,
-            rows=None if self._fused_decode() else torch.arange(B, device=tokens.device),  # (the torch path's)
+            # the torch path's (the Triton attention runs only on the fused path: no second walk of the layers)
+            rows=None if attention_kernel or self._fused_decode() else torch.arange(B, device=tokens.device),
             kv_len=kv_len,
             attention_kernel=attention_kernel,
         )
