@@ -349,7 +349,7 @@ def _launch_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 _MAX_SPLITS = 64  # key slices per (row, kv head) at most: the merge reads them in one block
 
 
-def _decode_splits(rows: int, kv_len: int, block_n: int, target: int = 264) -> int:
+def _decode_splits(rows: int, kv_len: int, block_n: int, target: int) -> int:
     """Key slices per (row, kv head): enough programs to fill a large GPU (~``target`` of
     them), at least one key block per slice of a ``kv_len``-long row."""
     return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(target, rows), _MAX_SPLITS))
