@@ -13,6 +13,7 @@ from typing import Any
 
 from ray import serve
 
+from deployments import early
 from deployments.config import DeploymentArgs
 from deployments.metrics import Metrics
 from deployments.server import LLMServer
@@ -31,8 +32,23 @@ from deployments.server import LLMServer
 )
 class LLMDeployment(LLMServer):
     def __init__(self, **args: Any):
-        # a replica is a process of its own: it may keep its compiled modules per node
-        super().__init__(**args, metrics=Metrics(use_ray=True), keep_bytecode=True)
+        # a replica is a process of its own: it may keep its compiled modules per node, and its
+        # start runs without the garbage collector's full scans (the worker setup hook paused it
+        # already where it ran; deployments.early.pause_gc)
+        early.pause_gc()
+        try:
+            super().__init__(**args, metrics=Metrics(use_ray=True), keep_bytecode=True)
+        except BaseException:
+            early.resume_gc(freeze=False)
+            raise
+
+    def reconfigure(self, user_config: dict | None) -> None:
+        try:
+            super().reconfigure(user_config)
+        finally:
+            # warm: what the start made lives as long as the process (frozen, never scanned
+            # again); a first warm-up that failed fails the replica: back on, nothing frozen
+            early.resume_gc(freeze=self.warm)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -28,6 +28,7 @@ the worker: the constructor's imports raise the error where the replica reports 
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -44,12 +45,15 @@ MODULES = ("torch", "deployments.engine", "deployments.model", "deployments.toke
 _times: dict[str, float] = {}
 _thread: threading.Thread | None = None
 _error: list[BaseException] = []
+_gc: dict[str, float] = {}  # paused_at, resumed_at (Unix times), frozen (objects)
 
 
 def hook() -> None:
-    """Ray's worker setup hook: turn on the bytecode cache and start the import thread (once
-    per process); returns at once, so Ray's start of the worker goes on."""
+    """Ray's worker setup hook: pause the garbage collector, turn on the bytecode cache and
+    start the import thread (once per process); returns at once, so Ray's start of the worker
+    goes on."""
     global _thread
+    pause_gc()
     if _thread is not None or not modules():
         return
     _times["hook_at"] = time.time()
@@ -96,3 +100,41 @@ def times() -> dict[str, float]:
     """Unix times of the hook's call and of each module's import done (empty without the hook),
     for the replica's /stats: the bench relates them to the deploy."""
     return dict(_times)
+
+
+def pause_gc(env: os._Environ | dict = os.environ) -> bool:
+    """Turn the cyclic garbage collector off until ``resume_gc`` (a replica's own process only:
+    the hook, or the deployment's constructor where no hook ran); whether it was turned off
+    now. Does nothing where env COLDSTART_PAUSE_GC is 0, where it is off already (someone else
+    chose so) or after an earlier pause."""
+    if _gc or env.get("COLDSTART_PAUSE_GC", "1").strip() == "0" or not gc.isenabled():
+        return False
+    gc.disable()
+    _gc["paused_at"] = time.time()
+    return True
+
+
+def resume_gc(freeze: bool) -> None:
+    """Turn the collector back on after ``pause_gc`` (a no-op otherwise, and the second time);
+    ``freeze``: first move every object into its permanent generation (``gc.freeze()``), as the
+    replica does once warm: what the start made lives as long as the process."""
+    if "paused_at" not in _gc or "resumed_at" in _gc:
+        return
+    if freeze:
+        gc.freeze()
+        _gc["frozen"] = gc.get_freeze_count()
+    gc.enable()
+    _gc["resumed_at"] = time.time()
+
+
+def gc_state() -> dict[str, float]:
+    """For the replica's /stats: how long the collector was paused (``paused_s``, where it has
+    been resumed) and how many objects were frozen; empty where it was never paused."""
+    out = {}
+    if "resumed_at" in _gc:
+        out["paused_s"] = round(_gc["resumed_at"] - _gc["paused_at"], 3)
+    elif "paused_at" in _gc:
+        out["paused_since"] = _gc["paused_at"]
+    if "frozen" in _gc:
+        out["frozen"] = int(_gc["frozen"])
+    return out

@@ -267,9 +267,6 @@ class LLMServer:
         plan = WarmupPlan.from_user_config(user_config)
         with self.timer.phase("warmup"):
             self._warmup(plan)
-        # the graphs of batch sizes the warm-up did not use (engine.lazy_graphs): captured by
-        # the engine's loop whenever it is idle from now on, never ahead of the warm-up's requests
-        self.engine.capture_deferred()
         if plan.hold_s and not self.warm:
             time.sleep(plan.hold_s)
         self.warmups += 1
@@ -294,6 +291,11 @@ class LLMServer:
         if err:
             raise RuntimeError(err)
         self.metrics.sample_gpu(self.device)
+        # The graphs of the batch sizes the warm-up did not use (engine.lazy_graphs): captured by
+        # the engine's loop whenever it is idle from the first health check that passed on. Not
+        # at the end of the warm-up: Ray's first health check comes right after it, and this
+        # check would wait for a capture under way, holding the replica's RUNNING back.
+        self.engine.capture_deferred()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -536,7 +538,7 @@ class LLMServer:
         from deployments.runtime import process_start_time
         return JSONResponse({"warm": self.warm, "replica": self.replica_id,
                              "process_started_at": process_start_time(), "imported_at": IMPORTED_AT,
-                             "early_import": early.times(),
+                             "early_import": early.times(), "gc": early.gc_state(),
                              "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                              "engine": self.engine.stats(),
                              **self.metrics.snapshot()})

@@ -130,6 +130,10 @@ def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
         early = stats["early_import"]
         assert {"hook_at", "torch_at", "done_at"} <= set(early), early
         assert early["hook_at"] < stats["constructor_started_at"], (early, stats["constructor_started_at"])
+        # and paused the garbage collector until the replica was warm, which then froze what
+        # its start had made
+        assert stats["gc"]["frozen"] > 50_000 and 0 < stats["gc"]["paused_s"], stats["gc"]
+        assert stats["gc"]["paused_s"] <= stats["warm_at"] - early["hook_at"] + 1.0, (stats["gc"], early)
 
         from openai import OpenAI
         client = OpenAI(base_url=BASE + "/v1", api_key="none", max_retries=0)
