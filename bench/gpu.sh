@@ -41,7 +41,7 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
                --out "$out/decode-profile-fused-only.json" ;;
     engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
     serve)   python3 bench/serve.py --out "$out" --report "$out" > "$out/serve.log" 2>&1; r=$?
-             grep -E "warm after|^\\|" "$out/serve.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^\\|" "$out/serve.log"; (exit $r) ;;
     serve-warm|serve-add-cold) # the serve stage in two device calls: every kind with a warm page
              # cache, then (on the same machine) with a cold one, added to the first call's report
              # (warm: five rounds, ~460 s, since a host's Ray worker start drifts by seconds within a
@@ -49,7 +49,7 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
              if [ $stage = serve-warm ]; then a="--caches warm --repeat 5"; else a="--caches cold --merge $W/serve-partial.json"; fi
              # (SERVE_EXTRA: more arguments, e.g. --variant NAME=JSON without spaces)
              python3 bench/serve.py --out "$out" --report "$out" $a ${SERVE_EXTRA:-} > "$out/$stage.log" 2>&1; r=$?
-             grep -E "warm after|^- " "$out/$stage.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^- " "$out/$stage.log"; (exit $r) ;;
     serve-early) # the replica's start with each of its newest steps left out in turn, warm page cache, three
              # rounds: coldstart-late without the worker setup hook's imports (deployments.early),
              # coldstart-eager capturing every graph before it serves (engine.lazy_graphs false),
@@ -57,19 +57,19 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
              python3 bench/serve.py --out "$out" --kinds minimal-cached,minimal-early,coldstart,coldstart-late \
                --caches warm --repeat 3 --variant eager='{"engine": {"lazy_graphs": false}}' \
                > "$out/serve-early.log" 2>&1; r=$?
-             grep -E "warm after|^- " "$out/serve-early.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^- " "$out/serve-early.log"; (exit $r) ;;
     serve-floors) # coldstart beside both minimal replicas, warm page cache, five deploys each
              python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches warm --repeat 5 \
                > "$out/serve-floors.log" 2>&1; r=$?
-             grep -E "warm after|^- " "$out/serve-floors.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^- " "$out/serve-floors.log"; (exit $r) ;;
     serve-cold) # minimal and coldstart with a cold page cache only, with this run's own disk figure
              python3 bench/serve.py --out "$out" --kinds minimal,minimal-cached,coldstart --caches cold > "$out/serve-cold.log" 2>&1; r=$?
-             grep -E "warm after|^\\|" "$out/serve-cold.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^\\|" "$out/serve-cold.log"; (exit $r) ;;
     naive-warm|naive-cold) # the article's naive path (minutes per start: one device call each),
              # added to the serve stage's report
              python3 bench/serve.py --out "$out" --report "$out" --naive --kinds naive --caches ${stage#naive-} \
                --merge $W/serve-partial.json > "$out/serve-$stage.log" 2>&1; r=$?
-             grep -E "warm after|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
     startprofile) # the replica's start under cProfile (main thread), with and without the overlapped build
              python3 bench/start_profile.py $W/packed --out "$out/start-profile.json" --pstats "$out/start-profile.pstats" 2>&1 | tail -20
              COLDSTART_BUILD_DURING_LOAD=0 python3 bench/start_profile.py $W/packed \
@@ -122,11 +122,11 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
              python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches warm --repeat 3 \
                --variant decodefirst="{\"env\": {\"COLDSTART_PRIME\": \"$D\"}}" \
                --variant noprime='{"env": {"COLDSTART_PRIME": "0"}}' > "$out/serve-prime-order.log" 2>&1; r=$?
-             grep -E "warm after|deploys|^- " "$out/serve-prime-order.log"; (exit $r) ;;
+             grep -E "added->RUNNING|deploys|^- " "$out/serve-prime-order.log"; (exit $r) ;;
     serve-prime) # the same as Ray deploys it: four warm rounds beside the cached floor
              python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches warm --repeat 4 \
                --variant noprime='{"env": {"COLDSTART_PRIME": "0"}}' > "$out/serve-prime.log" 2>&1; r=$?
-             grep -E "warm after|deploys|^- " "$out/serve-prime.log"; (exit $r) ;;
+             grep -E "added->RUNNING|deploys|^- " "$out/serve-prime.log"; (exit $r) ;;
     kvalloc) python3 bench/kv_alloc.py --out "$out/kv-alloc.json" ;;
     firstprefill) python3 bench/first_prefill.py $W/packed --out "$out/first-prefill.json" 2>&1 | grep -v METRIC | tail -12 ;;
     firstanatomy) python3 bench/first_prefill.py $W/packed --anatomy --out "$out/first-prefill-anatomy.json" 2>&1 \
@@ -150,14 +150,14 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
                --variant threads4='{"load": {"threads": 4}}' \
                --variant after='{"env": {"COLDSTART_BUILD_DURING_LOAD": "0"}}' \
                > "$out/serve-beside-load.log" 2>&1; r=$?
-             grep -E "warm after|deploys|^- " "$out/serve-beside-load.log"; (exit $r) ;;
+             grep -E "added->RUNNING|deploys|^- " "$out/serve-beside-load.log"; (exit $r) ;;
     serve-cold-trickle) # a cold replica's trickle at 1 MiB (default), 4 MiB and off, three rounds
              # beside the cached floor, with this run's own disk figure
              python3 bench/serve.py --out "$out" --kinds minimal-cached,coldstart --caches cold --repeat 3 \
                --variant trickle4='{"load": {"trickle_read_bytes": 4194304}}' \
                --variant notrickle='{"load": {"trickle": false}}' \
                > "$out/serve-cold-trickle.log" 2>&1; r=$?
-             grep -E "warm after|deploys|^- " "$out/serve-cold-trickle.log"; (exit $r) ;;
+             grep -E "added->RUNNING|deploys|^- " "$out/serve-cold-trickle.log"; (exit $r) ;;
     startsplit) # where coldstart's warm start goes beyond the minimal replica's: the imports'
              # source compiles (twice: whether the first run's .pyc files are found), the engine's
              # start outside Ray, then in Ray beside the minimal replica with one part left out at a time
@@ -170,7 +170,7 @@ print({k: p.get(k) for k in ('engine', 'engine_model', 'engine_graphs', 'read_co
                --variant onegraph='{"engine": {"graph_batch_sizes": [16], "kv_len_buckets": [4096]}}' \
                --variant pyc='{"env": {"PYTHONPYCACHEPREFIX": "/tmp/coldstart-pyc", "PYTHONDONTWRITEBYTECODE": ""}}' \
                > "$out/serve-split.log" 2>&1; r=$?
-             grep -E "warm after|^- " "$out/serve-split.log"; (exit $r) ;;
+             grep -E "added->RUNNING|^- " "$out/serve-split.log"; (exit $r) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }

@@ -46,8 +46,10 @@ into --out and, with --report DIR, coldstart-report.{json,md,png} into DIR
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -166,6 +168,57 @@ def drop_caches() -> None:
         f.write("3\n")
 
 
+def total(r: dict) -> float:
+    """The figure every goal is judged on: the replica's start as Ray reports it
+    (``start_to_running_s``: from the controller adding the replica to the controller marking it
+    RUNNING). Runs made before it was recorded (carried ones: the naive path) give deploy ->
+    warm instead, from the serve.run call to the end of reconfigure, on the replica's clock."""
+    return r.get("start_to_running_s", r["deploy_to_warm_s"])
+
+
+_STARTED = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) controller \d+ -- "
+                      r"Replica\(id='(?P<id>[^']+)', deployment='[^']*', app='(?P<app>[^']*)'\) "
+                      r"started successfully .*? after (?P<e2e>[\d.]+)s")
+
+
+def controller_running_at(logs: Path, app: str, replica_id: str, timeout: float = 10) -> tuple[float, float] | None:
+    """(Unix time, logged seconds) of the controller's line saying ``replica_id`` of ``app``
+    started: it writes it as it marks the replica RUNNING, with the seconds since it added the
+    replica (what it also exports as serve_replica_startup_latency_ms), to 0.1 s; the line's
+    own time is to the millisecond. None where no such line came within ``timeout``."""
+    deadline = time.time() + timeout
+    while True:
+        for f in sorted(logs.glob("controller_*.log")):
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    m = _STARTED.match(line)
+                    if m and m["id"] == replica_id and m["app"] == app:
+                        at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                        return at, float(m["e2e"])
+        if time.time() > deadline:
+            return None
+        time.sleep(0.1)
+
+
+def ray_view(name: str) -> dict:
+    """Ray's own account of application ``name``'s one replica's start: when the controller
+    added it (the replica's ``start_time_s``: its scheduling request made, before the worker's
+    process is asked for) and when the controller marked it RUNNING (after the constructor,
+    ``reconfigure``, Ray's own ``gc.collect()`` and the first health check)."""
+    from ray.serve.context import _get_global_client
+    details = _get_global_client().get_serve_details()
+    reps = [r for dep in details["applications"][name]["deployments"].values() for r in dep["replicas"]]
+    if len(reps) != 1:
+        raise RuntimeError(f"{name}: {len(reps)} replicas, expected one")
+    rep = reps[0]
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    seen = controller_running_at(logs, name, rep["replica_id"])
+    out = {"replica_id": rep["replica_id"], "added_at": rep["start_time_s"]}
+    if seen is not None:
+        out["running_at"], out["logged_s"] = seen
+    return out
+
+
 def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     t0 = time.perf_counter()
     deployed_at = time.time()
@@ -185,6 +238,7 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     r.raise_for_status()
     ours = name.startswith("coldstart")
     info = httpx.get(f"{BASE}/{name}/stats", timeout=30).json() if ours else r.json()
+    seen = ray_view(name)
     serve.delete(name)
     phases = info.get("phases") or _ours_phases(info["startup_phases_s"])
     # deploy -> warm from the replica's own clock (same host): precise, where the polled
@@ -193,22 +247,38 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
     born = info.get("process_started_at")
     res = {"deploy_to_warm_s": warm, "deploy_to_running_s": t_running, "deploy_to_first_200_s": t_200,
            "process_to_warm_s": None if born is None else info["warm_at"] - max(born, deployed_at),
-           "phases": phases, "detail": info.get("startup_phases_s")}
+           "phases": phases, "detail": info.get("startup_phases_s"),
+           # the window Ray reports: from the controller adding the replica to its RUNNING
+           "added_after_deploy_s": seen["added_at"] - deployed_at}
+    zero = seen["added_at"]
+    if "running_at" in seen:
+        res["start_to_running_s"] = seen["running_at"] - zero
+        res["ray_logged_startup_s"] = seen["logged_s"]  # the controller's own figure, to 0.1 s
+        # after the replica was warm: Ray's gc.collect(), the first health check, the controller's loop
+        res["phases"]["ready"] = max(0.0, seen["running_at"] - info["warm_at"])
+    else:
+        print(f"  {name}: the controller's log has no start line for replica {seen['replica_id']}: "
+              "judged on deploy -> warm", flush=True)
+        zero = deployed_at
     if ours:  # what the replica answered (the report checks that every start agrees)
         res["answer"] = r.json()["token_ids"]
         res["engine"] = info.get("engine")  # its start's graphs, first launches and first prefills
+        res["gc"] = info.get("gc")
     # what the replica did not time itself: Ray scheduling, the worker's start
-    res["phases"]["ray_and_process"] = max(0.0, warm - sum(phases.values()))
+    res["phases"]["ray_and_process"] = max(0.0, info["warm_at"] - zero - sum(
+        v for k, v in phases.items() if k != "ready"))
     # and of that, the part before the constructor began, split where the replica's process
-    # first imported the project (coldstart only: unpickling the deployment's class)
+    # first imported the project (coldstart only: unpickling the deployment's class); from the
+    # same zero as the figure
     if info.get("constructor_started_at"):
-        res["to_constructor_s"] = info["constructor_started_at"] - deployed_at
+        res["to_constructor_s"] = info["constructor_started_at"] - zero
         if info.get("imported_at"):
-            res["to_project_import_s"] = info["imported_at"] - deployed_at
+            res["to_project_import_s"] = info["imported_at"] - zero
     if info.get("early_import"):  # the worker setup hook (deployments.early): when, and each import done
-        res["early_import_s"] = {k.removesuffix("_at"): round(v - deployed_at, 3)
+        res["early_import_s"] = {k.removesuffix("_at"): round(v - zero, 3)
                                  for k, v in info["early_import"].items()}
-    print(f"  {name:22s} warm after {warm:6.2f} s, RUNNING after {t_running:6.2f} s, "
+    print(f"  {name:22s} added->RUNNING {res.get('start_to_running_s', float('nan')):6.2f} s "
+          f"(Ray logged {res.get('ray_logged_startup_s', float('nan')):.1f}), deploy->warm {warm:6.2f} s, "
           f"first 200 after {t_200:6.2f} s, constructor after {res.get('to_constructor_s', float('nan')):5.2f} s  "
           f"phases {json.dumps({k: round(v, 3) for k, v in res['phases'].items()})}", flush=True)
     return res
@@ -251,7 +321,7 @@ def paired(runs_s: dict[str, list[float]], ours: str, floor: str) -> list[float]
 
 def median_run(runs: list[dict]) -> dict:
     """The run with the median deploy -> warm time (the lower middle one of an even count)."""
-    return sorted(runs, key=lambda r: r["deploy_to_warm_s"])[(len(runs) - 1) // 2]
+    return sorted(runs, key=total)[(len(runs) - 1) // 2]
 
 
 def _ours_phases(p: dict) -> dict:
@@ -354,15 +424,16 @@ def write_report(res: dict, out: Path, command: str) -> None:
     """coldstart-report.{json,md,png}: the table and a stacked bar per run."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "coldstart-report.json").write_text(json.dumps({"command": command, **res}, indent=2))
-    order = ["ray_and_process", "imports", "context", "engine", "load", "warmup"]
-    rows = ["| replica | cache | deploy -> warm s | deploy -> RUNNING s (polled) | first 200 s | "
+    order = ["ray_and_process", "imports", "context", "engine", "load", "warmup", "ready"]
+    rows = ["| replica | cache | added -> RUNNING s (Ray) | deploy -> warm s | first 200 s after deploy | "
             + " | ".join(f"{k} %" for k in order) + " |", "|---" * (5 + len(order)) + "|"]
     runs = [(kind, cache, r) for cache in ("warm", "cold") for kind, r in res.get(cache, {}).items()]
     for kind, cache, r in runs:
-        tot = r["deploy_to_warm_s"]
+        tot = total(r)
         shares = [f"{100 * r['phases'].get(k, 0) / tot:.0f}" for k in order]
-        rows.append(f"| {kind}{' *' if r.get('measured_in') else ''} | {cache} | {tot:.2f} | "
-                    f"{r['deploy_to_running_s']:.2f} | "
+        ray_s = f"{r['start_to_running_s']:.2f}" if "start_to_running_s" in r else "not recorded"
+        rows.append(f"| {kind}{' *' if r.get('measured_in') else ''} | {cache} | {ray_s} | "
+                    f"{r['deploy_to_warm_s']:.2f} | "
                     f"{r['deploy_to_first_200_s']:.2f} | "
                     + " | ".join(shares) + " |")
     notes = []
@@ -381,9 +452,12 @@ def write_report(res: dict, out: Path, command: str) -> None:
     if missing:
         notes.append(f"Not measured with a cold cache: {', '.join(missing)} (the run was cut short).\n\n")
     (out / "coldstart-report.md").write_text(
-        "Replica start in Ray Serve: deploy -> warm (the replica's clock) -> RUNNING (Ray's "
-        "status, polled) -> first 200, each replica alone on the GPU; phase shares of "
-        "deploy -> warm.\n\n"
+        "Replica start in Ray Serve, each replica alone on the GPU: from the controller adding "
+        "the replica to the controller marking it RUNNING, as Ray reports a replica's startup "
+        "(the goals are judged on it); beside it, from the serve.run call to the replica warm on "
+        "its own clock, and to the first 200 answer. Phase shares of the first (ready: after "
+        "reconfigure, Ray's gc.collect(), the first health check and the controller's loop; "
+        "runs without Ray's figure: of deploy -> warm).\n\n"
         + "\n".join(rows) + "\n\n" + "".join(notes) + f"Command: `{command}`\n")
     try:
         import matplotlib
@@ -396,7 +470,7 @@ def write_report(res: dict, out: Path, command: str) -> None:
     colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854"]
     labels = [f"{kind} ({cache}){' *' if r.get('measured_in') else ''}" for kind, cache, r in runs]
     # a start of minutes (the naive path) would squash every other bar: cut it at the axis
-    totals = [r["deploy_to_warm_s"] for _, _, r in runs]
+    totals = [total(r) for _, _, r in runs]
     short = [t for t in totals if t < max(totals) / 3]  # the naive path's warm and cold bars are both cut
     xmax = 1.4 * max(short) if short else max(totals)
     for i, (kind, cache, r) in enumerate(runs):
@@ -406,14 +480,14 @@ def write_report(res: dict, out: Path, command: str) -> None:
             ax.barh(i, w, left=left, color=c, label=k if i == 0 else None)
             left += w
         if left > xmax:  # the label inside the cut bar's end
-            ax.text(xmax, i, f"{r['deploy_to_warm_s']:.1f} s (bar cut) ", va="center", ha="right", fontsize=8,
+            ax.text(xmax, i, f"{total(r):.1f} s (bar cut) ", va="center", ha="right", fontsize=8,
                     bbox=dict(facecolor="white", edgecolor="none", pad=1))
         else:
-            ax.text(left + 0.3, i, f"{r['deploy_to_warm_s']:.1f} s", va="center", fontsize=8)
+            ax.text(left + 0.3, i, f"{total(r):.1f} s", va="center", fontsize=8)
     ax.set_xlim(0, xmax + 4)
     ax.set_yticks(range(len(runs)), labels)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds from deploy to warm")
+    ax.set_xlabel("seconds from the controller adding the replica to RUNNING")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "coldstart-report.png", dpi=120)
@@ -428,24 +502,24 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         disk_s = res["disk"]["nbytes"] / 1e9 / res["disk"]["GBps"]
         summary["disk_GBps"], summary["disk_read_s"] = res["disk"]["GBps"], disk_s
         if "minimal" in res.get("cold", {}):
-            summary["cold_goal_s"] = res["cold"]["minimal"]["deploy_to_warm_s"] + disk_s
+            summary["cold_goal_s"] = total(res["cold"]["minimal"]) + disk_s
         if "minimal-cached" in res.get("cold", {}):
-            summary["cold_goal_cached_s"] = res["cold"]["minimal-cached"]["deploy_to_warm_s"] + disk_s
+            summary["cold_goal_cached_s"] = total(res["cold"]["minimal-cached"]) + disk_s
     for cache in ("warm", "cold"):
         r = res.get(cache, {})
         for kind, v in r.items():
-            summary[f"{kind}_{cache}_s"] = v["deploy_to_warm_s"]
+            summary[f"{kind}_{cache}_s"] = total(v)
         rounds = res.get(f"{cache}_runs_s", {})
         for ours, floor, _ in MINUS:  # against each floor measured in the run
             if ours in r and floor in r:
                 summary[_key(ours, "minus", floor, cache, "s")] = (
-                    r[ours]["deploy_to_warm_s"] - r[floor]["deploy_to_warm_s"])
+                    total(r[ours]) - total(r[floor]))
             d = paired(rounds, ours, floor)  # and round by round, where both were deployed in every round
             if d:
                 summary[_key(ours, "minus", floor, cache, "rounds", "s")] = d
         for ours, floor, _ in OVER:
             if ours in r and floor in r:
-                summary[_key(ours, "over", floor, cache)] = r[ours]["deploy_to_warm_s"] / r[floor]["deploy_to_warm_s"]
+                summary[_key(ours, "over", floor, cache)] = total(r[ours]) / total(r[floor])
         for kind in rounds:  # a variant (--variant NAME: kind coldstart-NAME) against the default
             d = paired(rounds, kind, "coldstart") if kind.startswith("coldstart-") else None
             if d and kind not in (ours for ours, _, _ in MINUS):
@@ -460,13 +534,16 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps({**summary, "detail": res}, indent=2))
-    md = ["Deploy -> replica warm (constructor and reconfigure done), each deployment alone.", "",
+    md = ["A replica's start as Ray reports it: from the controller adding the replica to the controller "
+          "marking it RUNNING (constructor, reconfigure, Ray's gc.collect() and first health check done), "
+          "each deployment alone. Runs without that figure (carried from runs before it was recorded) give "
+          "deploy -> replica warm.", "",
           "| replica | warm cache s | cold cache s |", "|---|---|---|"]
     def cell(cache: str, k: str) -> str:
         r = res.get(cache, {}).get(k)
         if r is None:
             return ""
-        return f"{r['deploy_to_warm_s']:.2f}" + (f" (from another run: {r['measured_in']})"
+        return f"{total(r):.2f}" + (f" (from another run: {r['measured_in']})"
                                                  if r.get("measured_in") else "")
     for k in dict.fromkeys([*res.get("warm", {}), *res.get("cold", {})]):
         md.append(f"| {k} | {cell('warm', k)} | {cell('cold', k)} |")
@@ -639,7 +716,7 @@ def main() -> None:
                                                           "token_ids": runs[kind][-1]["answer"]})
                 res[cache][kind] = median_run(runs[kind])
                 if len(runs[kind]) > 1:
-                    res.setdefault(f"{cache}_runs_s", {})[kind] = [r["deploy_to_warm_s"] for r in runs[kind]]
+                    res.setdefault(f"{cache}_runs_s", {})[kind] = [total(r) for r in runs[kind]]
                 # a run cut short (a time limit) still leaves what it measured; a later run
                 # on the same machine can add to it (--merge WORK/serve-partial.json)
                 for d in (Path(a.out), Path(a.work)):
