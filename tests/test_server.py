@@ -497,14 +497,17 @@ def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(
 
 @gpu
 def test_gpu_replica_captures_the_rest_of_its_graphs_once_warm(tiny_packed):
-    """A GPU replica starts with batch 1's graph alone; once warm, its engine's idle loop
-    captures the other batch sizes', while health checks (a device-wide synchronize) go on."""
+    """A GPU replica starts with batch 1's graph alone; once warm and past its first health check
+    (Ray's comes right after reconfigure and must not wait behind a capture), its engine's idle
+    loop captures the other batch sizes', while health checks (a device-wide synchronize) go on."""
     import time
 
     s = LLMServer(str(tiny_packed), device="cuda", engine={"max_slots": 4, "max_seq_len": 128})
     try:
         assert s.engine.stats()["graphs_deferred"] == 2  # batch sizes 2 and 4
         s.reconfigure({"warmup": {"requests": 1}})
+        time.sleep(1.0)  # an idle loop: nothing captured before the first health check
+        assert s.engine.stats()["graphs_deferred"] == 2
         deadline = time.time() + 60
         while s.engine.stats()["graphs_deferred"] and time.time() < deadline:
             s.check_health()
