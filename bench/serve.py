@@ -447,10 +447,11 @@ def write_report(res: dict, out: Path, command: str) -> None:
                      "from the shards + `.half().cuda()`.\n\n")
     for kind, cache, r in runs:
         if r.get("measured_in"):
-            notes.append(f"\\* {kind}, {cache} cache: from another run ({r['measured_in']}).\n\n")
+            notes.append(f"\\* {kind}, {cache} cache: from another run ({r['measured_in']})"
+                         + ("" if "start_to_running_s" in r else ", deploy -> warm") + ".\n\n")
     missing = [k for k in res.get("warm", {}) if res.get("cold") and k not in res["cold"]]
     if missing:
-        notes.append(f"Not measured with a cold cache: {', '.join(missing)} (the run was cut short).\n\n")
+        notes.append(f"Not measured with a cold cache in this run: {', '.join(missing)}.\n\n")
     (out / "coldstart-report.md").write_text(
         "Replica start in Ray Serve, each replica alone on the GPU: from the controller adding "
         "the replica to the controller marking it RUNNING, as Ray reports a replica's startup "
@@ -467,7 +468,8 @@ def write_report(res: dict, out: Path, command: str) -> None:
         print("matplotlib missing: no PNG chart", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(runs)))
-    colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854"]
+    colors = ["#bbbbbb", "#8da0cb", "#66c2a5", "#fc8d62", "#e78ac3", "#a6d854", "#ffd92f"]
+    assert len(colors) == len(order)
     labels = [f"{kind} ({cache}){' *' if r.get('measured_in') else ''}" for kind, cache, r in runs]
     # a start of minutes (the naive path) would squash every other bar: cut it at the axis
     totals = [total(r) for _, _, r in runs]
@@ -549,7 +551,7 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
         md.append(f"| {k} | {cell('warm', k)} | {cell('cold', k)} |")
     missing = [k for k in res.get("warm", {}) if res.get("cold") and k not in res["cold"]]
     if missing:
-        md.append(f"Not measured with a cold cache: {', '.join(missing)} (the run was cut short).")
+        md.append(f"Not measured with a cold cache in this run: {', '.join(missing)}.")
     for cache in ("warm", "cold"):
         for k, ts in res.get(f"{cache}_runs_s", {}).items():
             md.append(f"{k}, {cache} cache: {len(ts)} deploys, {', '.join(f'{t:.2f}' for t in ts)} s; the median counts.")

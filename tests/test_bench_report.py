@@ -48,7 +48,7 @@ def test_report_from_a_cut_short_run(partial, tmp_path, monkeypatch):
     assert s["cold_goal_s"] == pytest.approx(9.5 + 6.7)  # minimal cold + 13.4 GB at 2 GB/s
     assert s["command"] == "PYTHONPATH=$PWD python bench/serve.py --naive"
     md = (out / "serve.md").read_text()
-    assert "| naive | 280.00 |  |" in md and "Not measured with a cold cache: naive" in md
+    assert "| naive | 280.00 |  |" in md and "Not measured with a cold cache in this run: naive" in md
     assert "minimal + 3.00 s (goal: + 2 s or less: not met)" in md
     assert "= 16.20 s: met" in md  # 16.0 s cold against 16.2 s
     report = (docs / "coldstart-report.md").read_text()
@@ -112,7 +112,7 @@ def test_a_run_from_another_run_is_marked(partial, tmp_path, monkeypatch):
     assert "| naive | 280.00 (from another run: yesterday's run) |  |" in (out / "serve.md").read_text()
     report = (docs / "coldstart-report.md").read_text()
     assert "| naive * | warm | not recorded | 280.00 |" in report
-    assert "naive, warm cache: from another run (yesterday's run)" in report
+    assert "naive, warm cache: from another run (yesterday's run), deploy -> warm." in report
     assert "| coldstart | warm | not recorded | 10.00 |" in report  # the others unmarked
 
 
