@@ -1,4 +1,4 @@
-"""The cold-start report: deploy -> RUNNING -> first 200, side by side, in Ray Serve.
+"""The cold-start report: a replica's start as Ray reports it, side by side, in Ray Serve.
 
 Run on the GPU machine from the repository root (makes the 7B random checkpoint
 and packs it under --work if bench/load.py has not, or give --hf and --packed):
@@ -8,8 +8,11 @@ and packs it under --work if bench/load.py has not, or give --hf and --packed):
 For each replica kind, deployed alone on the GPU: deploy (serve.run,
 non-blocking), poll until the application is RUNNING (Ray routes only to
 replicas that passed __init__, reconfigure and a first health check), then time
-the first 200 answer. The window starts when the controller is asked for the
-replica, so the worker's process start and every import inside it count.
+the first 200 answer. Each start is judged from the controller adding the
+replica (its start_time_s) to the controller marking it RUNNING (its log line),
+the window Ray reports as the replica's startup latency: the worker's process
+start and every import inside it count. Deploy -> warm (the serve.run call to
+the replica's own clock at the end of reconfigure) is recorded beside it.
 
   minimal       __init__: import torch, create the CUDA context (the floor)
   minimal-cached  the same, after turning on the per-node bytecode cache a coldstart replica
@@ -17,7 +20,8 @@ replica, so the worker's process start and every import inside it count.
                 the floor for a replica that compiles none of torch's modules either
   minimal-early  minimal-cached with serve_config.yaml's worker setup hook importing torch
                 (deployments.early, COLDSTART_EARLY_IMPORT=torch): the floor for a replica that
-                imports torch beside Ray's start of its worker too
+                imports torch beside Ray's start of its worker too (the hook pauses its
+                garbage collector as well, for good: the minimal replica never resumes it)
   coldstart     deployments.app.LLMDeployment on the packed model (warm-up in reconfigure),
                 with serve_config.yaml's runtime_env env vars, as `serve run` deploys it
   coldstart-late  the same without the setup hook's imports (COLDSTART_EARLY_IMPORT=0)
