@@ -65,9 +65,10 @@ class EngineConfig:
     """Capture only the smallest batch size's graphs in ``start``; the loop thread captures each
     other batch size when a decode step first needs it, or when it is idle once
     ``capture_deferred`` was called (the replica calls it at its first health check once warm).
-    Each batch size's first launch loads kernels of its own (58-111 ms on an H200 for 2-16 rows of the 7B), so
-    this takes some 0.3 s off a replica's start; a batch size's first step pays its capture
-    (~0.1 s) only where the replica was never idle before it. False: every graph in ``start``."""
+    Each batch size's first launch loads kernels of its own (58-111 ms on an H200 for 2-16 rows
+    of the 7B), so this takes some 0.3 s off a replica's start; a batch size's first step pays
+    its capture (~0.1 s) only where the replica was never idle before it. False: every graph in
+    ``start``."""
     graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch buckets; None -> 1, 2, 4, ... < max_slots, and max_slots."""
     kv_len_buckets: tuple[int, ...] | None = None
@@ -279,8 +280,11 @@ class Engine:
     def capture_deferred(self) -> None:
         """Let the loop thread capture the graphs ``start`` deferred (``lazy_graphs``) whenever it
         is idle, one batch size at a time, smallest first (a step that needs one first captures
-        it anyway). The replica calls this at its first health check once warm, so that neither the
-        warm-up's own requests nor that check wait behind a capture."""
+        it anyway). The replica calls this at every health check once warm (the first one
+        counts), so that neither the warm-up's own requests nor that check wait behind a
+        capture."""
+        if self._capture_when_idle:
+            return
         self._capture_when_idle = True
         self._wake.set()
 
