@@ -255,6 +255,7 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
            # the window Ray reports: from the controller adding the replica to its RUNNING
            "added_after_deploy_s": seen["added_at"] - deployed_at}
     zero = seen["added_at"]
+    timed = sum(phases.values())  # what the replica timed itself, up to warm
     if "running_at" in seen:
         res["start_to_running_s"] = seen["running_at"] - zero
         res["ray_logged_startup_s"] = seen["logged_s"]  # the controller's own figure, to 0.1 s
@@ -269,8 +270,7 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
         res["engine"] = info.get("engine")  # its start's graphs, first launches and first prefills
         res["gc"] = info.get("gc")
     # what the replica did not time itself: Ray scheduling, the worker's start
-    res["phases"]["ray_and_process"] = max(0.0, info["warm_at"] - zero - sum(
-        v for k, v in phases.items() if k != "ready"))
+    res["phases"]["ray_and_process"] = max(0.0, info["warm_at"] - zero - timed)
     # and of that, the part before the constructor began, split where the replica's process
     # first imported the project (coldstart only: unpickling the deployment's class); from the
     # same zero as the figure

@@ -98,7 +98,7 @@ def test_the_devices_a_replica_sees_are_chosen_after_the_hook():
 
 
 _GC = """
-import gc, json, sys
+import gc, json, os
 from deployments import early
 before = gc.isenabled()
 early.hook()
@@ -106,19 +106,15 @@ paused = not gc.isenabled()
 assert early.wait(240)
 mid = early.gc_state()
 import torch  # the start's objects
-early.resume_gc(freeze=len(sys.argv) > 1)
+early.resume_gc(freeze=os.environ.get("FREEZE") == "1")
 early.resume_gc(freeze=True)  # a second call changes nothing
 print(json.dumps({"before": before, "paused": paused, "mid": sorted(mid), "after": gc.isenabled(),
                   "state": early.gc_state(), "freeze_count": gc.get_freeze_count()}))
 """
 
 
-def _run_args(code: str, *args: str, **env: str) -> dict:
-    return _run(code.replace("len(sys.argv) > 1", str(bool(args))), **env)
-
-
 def test_the_hook_pauses_the_collector_until_the_replica_resumes_it_and_freezes_the_start():
-    out = _run_args(_GC, "freeze")
+    out = _run(_GC, FREEZE="1")
     assert out["before"] and out["paused"] and out["after"]
     assert out["mid"] == ["paused_since"]  # while paused, /stats says since when
     assert out["state"]["frozen"] == out["freeze_count"] > 50_000  # torch's objects and more
@@ -126,14 +122,14 @@ def test_the_hook_pauses_the_collector_until_the_replica_resumes_it_and_freezes_
 
 
 def test_a_replica_that_failed_to_start_resumes_the_collector_without_freezing():
-    out = _run_args(_GC)
+    out = _run(_GC)
     assert out["paused"] and out["after"]
     assert out["freeze_count"] == 0 and "frozen" not in out["state"] and out["state"]["paused_s"] > 0
 
 
 def test_the_collector_is_left_alone_when_turned_off_or_off_already():
-    out = _run_args(_GC, "freeze", COLDSTART_PAUSE_GC="0")
+    out = _run(_GC, FREEZE="1", COLDSTART_PAUSE_GC="0")
     assert not out["paused"] and out["after"] and out["state"] == {} and out["freeze_count"] == 0
     # someone else turned it off: it stays off, nothing is frozen
-    out = _run_args(_GC.replace("before = gc.isenabled()", "gc.disable(); before = gc.isenabled()"), "freeze")
+    out = _run(_GC.replace("before = gc.isenabled()", "gc.disable(); before = gc.isenabled()"), FREEZE="1")
     assert not out["before"] and not out["after"] and out["state"] == {} and out["freeze_count"] == 0
