@@ -70,7 +70,7 @@ def import_torch() -> float:
 # head start that the first kernel self-test does; prints both times
 _REPLICA = r"""
 import time
-from deployments import head_start
+from deployments.startup import triton_setup as head_start
 from deployments.server import import_engine  # (a replica's module: imported before it starts)
 t = time.perf_counter()
 import_engine("cuda")

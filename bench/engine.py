@@ -120,7 +120,7 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, de
 
 def hf_ms_per_token(config: dict, tensors: dict, prompt: list[int], new_tokens: int, device: torch.device) -> float:
     """transformers eager generate on the same tensors: (t(N) - t(1)) / (N - 1)."""
-    from deployments.hf_fallback import build_hf_model
+    from deployments.model.hf_fallback import build_hf_model
 
     hf = build_hf_model(config, tensors, reference=True).hf
     ids = torch.tensor([prompt], device=device)

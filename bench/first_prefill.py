@@ -28,7 +28,7 @@ from bench.engine import device_allocs  # noqa: E402
 from deployments.config import WarmupPlan  # noqa: E402
 from deployments.engine import Engine, EngineConfig  # noqa: E402
 from deployments.model import build_model  # noqa: E402
-from deployments.request import SamplingParams  # noqa: E402
+from deployments.engine.request import SamplingParams  # noqa: E402
 from deployments.server import run_warmup  # noqa: E402
 from weights import load  # noqa: E402
 

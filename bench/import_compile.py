@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     t = time.perf_counter()
     from deployments.server import import_engine
     import_engine(a.device)
-    from deployments import head_start
+    from deployments.startup import triton_setup as head_start
     head_start.wait()
     steps["import_engine_s"] = time.perf_counter() - t
     res = {

@@ -2,7 +2,7 @@
 
     python bench/kernel_sweep.py --out OUT/kernel-sweep.json
 
-GEMV (`deployments.kernels._launch_gemv`, batch 1) for each projection shape of a
+GEMV (`deployments.ops._launch_gemv`, batch 1) for each projection shape of a
 Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
 otherwise (`COLDSTART_DECODE_ATTENTION=torch`). Each figure is one CUDA graph over 32 distinct weight matrices / KV
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deployments import kernels  # noqa: E402
-from deployments.model import matmul_decode_attention  # noqa: E402
+from deployments.kernels import ops, policy  # noqa: E402
+from deployments.model.llama import matmul_decode_attention  # noqa: E402
 
 LAYERS = 32
 # (name, N, K, copies): the 7B's batch-1 products; lm_head once per step
@@ -44,7 +44,7 @@ ATTN_CONFIGS = [(bn, w, t, st) for bn in (32, 64, 128) for w in (4, 8) for t in 
 T_CACHE = 4096  # every cache this long: a graph per batch size launches with kv_len = the whole cache
 
 def graph_ms(fn, replays: int = 5) -> float:
-    return kernels.graph_ms(fn, "cuda", replays)
+    return policy.graph_ms(fn, "cuda", replays)
 
 
 def try_configs(configs, tag, once, every, want) -> tuple[list[dict], dict]:
@@ -72,8 +72,8 @@ def sweep_gemv(dtype: torch.dtype) -> dict:
         ms = graph_ms(lambda: [F.linear(x, w) for w in ws])
         r["cublas"] = {"ms": ms, "GBps": gb / ms * 1e3}
         r["triton"], best = try_configs(
-            GEMV_BLOCKS, lambda b: {"blocks": b}, lambda b: kernels._launch_gemv(x, ws[0], None, b),
-            lambda b: [kernels._launch_gemv(x, w, None, b) for w in ws], want)
+            GEMV_BLOCKS, lambda b: {"blocks": b}, lambda b: ops._launch_gemv(x, ws[0], None, b),
+            lambda b: [ops._launch_gemv(x, w, None, b) for w in ws], want)
         for t in r["triton"]:
             if "ms" in t:
                 t["GBps"] = gb / t["ms"] * 1e3
@@ -122,10 +122,10 @@ def sweep_attention(dtype: torch.dtype) -> dict:
         mask = torch.zeros(B, L, device="cuda", dtype=dtype).masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
         mask = mask[:, None, None].expand(B, n_kv, H // n_kv, L).reshape(-1, H // n_kv, L)
         scale = Dh ** -0.5
-        want = kernels._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
+        want = ops._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
 
         def launch(k, v, c, kv_len=L):
-            return kernels._launch_decode_attention(q, k, v, pos, kv_len, 0, scale, *c)
+            return ops._launch_decode_attention(q, k, v, pos, kv_len, 0, scale, *c)
 
         r = {"torch_ms": graph_ms(lambda: [matmul_decode_attention(q, k[:, :, :L], v[:, :, :L], mask, scale)
                                              for k, v in caches])}
@@ -149,7 +149,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", choices=["gemv", "attention"])
     a = ap.parse_args()
-    if not kernels.available("cuda"):
+    if not ops.available("cuda"):
         sys.exit("needs CUDA and Triton")
     t0 = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -21,7 +21,7 @@ CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from weights.loader import one_segment
+from weights.segments import one_segment
 mode = sys.argv[2]
 dev = torch.device("cuda", 0)
 torch.empty(1, device=dev); torch.cuda.synchronize()

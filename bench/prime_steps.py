@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from bench.start_profile import torch_profiled
-    from deployments import prime
+    from deployments.startup import prime
     res: dict = {"command": "PYTHONPATH=$PWD python bench/prime_steps.py " + " ".join(sys.argv[1:] if argv is None else argv),
                  "imports_s": round(time.perf_counter() - t0, 3)}
     t = time.perf_counter()

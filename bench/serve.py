@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.load import ensure_checkpoint, warm_cache  # noqa: E402
 from bench.load import run as run_limit  # noqa: E402
-from deployments import bytecode, early  # noqa: E402
+from deployments.startup import bytecode, early  # noqa: E402
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
        # Triton's kernel cache: the deployments find the 7B's kernels there, as on a node that ran
@@ -104,7 +104,7 @@ class Minimal:
         self.constructor_started_at = time.time()
         t0 = time.perf_counter()
         if bytecode_cache:
-            from deployments import bytecode
+            from deployments.startup import bytecode
             bytecode.enable()
         import torch
         t1 = time.perf_counter()
@@ -113,8 +113,8 @@ class Minimal:
         self.warm_at = time.time()  # no reconfigure: ready when the constructor returns
 
     async def __call__(self, request: Request):
-        from deployments import early
-        from deployments.runtime import process_start_time
+        from deployments.startup import early
+        from deployments.device import process_start_time
         return JSONResponse({"phases": self.phases, "warm_at": self.warm_at,
                              "constructor_started_at": self.constructor_started_at,
                              "process_started_at": process_start_time(), "early_import": early.times()})
@@ -126,7 +126,7 @@ class TransformersReplica:
         t = time.perf_counter
         t0 = t()
         if bytecode_cache:
-            from deployments import bytecode
+            from deployments.startup import bytecode
             bytecode.enable()
         import torch
         t1 = t()
@@ -161,7 +161,7 @@ class TransformersReplica:
         self.warm_at = time.time()
 
     async def __call__(self, request: Request):
-        from deployments.runtime import process_start_time
+        from deployments.device import process_start_time
         return JSONResponse({"phases": self.phases, "warm_at": self.warm_at,
                              "process_started_at": process_start_time()})
 

@@ -1,10 +1,11 @@
-"""The Ray Serve application: ``serve run serve_config.yaml`` imports ``deployments.app:app``.
+"""The Ray Serve application: ``serve run serve_config.yaml`` calls ``deployments.app:build_app``.
 
-``LLMDeployment`` is ``LLMServer`` plus deployment options; ``build_app(args)``
-is the application builder that serve_config.yaml points at, so operators set
-the model, device, engine and load options under ``args`` without code. The
-module imports no torch: a replica's process reaches the constructor (and
-its read-ahead) before paying for torch.
+``LLMDeployment`` is ``LLMServer`` plus the deployment's options, with the HTTP front
+(``deployments.server.http``) as its ingress, built once the constructor has run. ``build_app``
+is the application builder serve_config.yaml names: it checks ``args`` on Serve's controller,
+so a typo fails ``serve run`` at once, not every replica after its imports. This module
+imports no torch: a replica's process reaches its constructor (and the start's first steps)
+before paying for torch.
 """
 
 from __future__ import annotations
@@ -13,15 +14,14 @@ from typing import Any
 
 from ray import serve
 
-from deployments import early
-from deployments.config import DeploymentArgs
-from deployments.metrics import Metrics
-from deployments.server import LLMServer
+from deployments.config import DeploymentArgs, parse
+from deployments.server.metrics import Metrics
+from deployments.server.replica import LLMServer
 
 
 @serve.deployment(
-    # one replica answers many requests at once (continuous batching); Ray's own queue
-    # beyond max_queued_requests answers 503 instead of letting latency grow without bound
+    # one replica answers many requests at once (continuous batching); Ray's own queue beyond
+    # max_queued_requests answers 503 instead of letting latency grow without bound
     max_ongoing_requests=32,
     max_queued_requests=64,
     health_check_period_s=5,
@@ -30,25 +30,14 @@ from deployments.server import LLMServer
     graceful_shutdown_timeout_s=30,
     user_config={"warmup": {}},
 )
+@serve.ingress()
 class LLMDeployment(LLMServer):
     def __init__(self, **args: Any):
-        # a replica is a process of its own: it may keep its compiled modules per node, and its
-        # start runs without the garbage collector's full scans (the worker setup hook paused it
-        # already where it ran; deployments.early.pause_gc)
-        early.pause_gc()
-        try:
-            super().__init__(**args, metrics=Metrics(use_ray=True), keep_bytecode=True)
-        except BaseException:
-            early.resume_gc(freeze=False)
-            raise
+        super().__init__(**args, metrics=Metrics(use_ray=True), own_process=True)
 
-    def reconfigure(self, user_config: dict | None) -> None:
-        try:
-            super().reconfigure(user_config)
-        finally:
-            # warm: what the start made lives as long as the process (frozen, never scanned
-            # again); a first warm-up that failed fails the replica: back on, nothing frozen
-            early.resume_gc(freeze=self.warm)
+    def __serve_build_asgi_app__(self) -> Any:
+        from deployments.server.http import build
+        return build(self)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -57,13 +46,8 @@ class LLMDeployment(LLMServer):
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Application builder for serve_config.yaml's ``import_path: deployments.app:build_app``.
-
-    ``args`` are ``DeploymentArgs`` fields; they are checked here, in the
-    controller, so a typo fails ``serve run`` at once rather than in every replica.
-    """
-    a = DeploymentArgs.from_dict(args)
-    # resolve a relative model path where `serve run` was started, not in the replica
-    a.model = str(a.model_path())
-    return LLMDeployment.bind(model=a.model, model_name=a.model_name, device=a.device,
-                              engine=a.engine, load=a.load, fault_injection=a.fault_injection)
+    """Application builder for serve_config.yaml's ``import_path: deployments.app:build_app``:
+    ``args`` are ``DeploymentArgs`` fields, checked here, on the controller."""
+    a = parse(DeploymentArgs, args, "args")
+    # a relative model path is resolved where `serve run` was started, not in the replica
+    return LLMDeployment.bind(**a.model_copy(update={"model": str(a.model_path())}).model_dump())

@@ -1,120 +1,136 @@
-"""Typed configuration of the deployment: its args and its warm-up plan (user_config).
+"""The application's configuration: its ``args`` and its ``user_config``, as typed models.
 
-Both are built from plain dicts (what ``serve_config.yaml`` holds) and reject
-unknown keys and wrong types with the field's name, what was expected and
-what was given. No torch import here: the replica reads its config first.
+serve_config.yaml's ``args`` are a ``DeploymentArgs`` (the model, the device, and the engine's,
+the load's and the HTTP front's options), checked in ``deployments.app.build_app`` on Serve's
+controller before any replica starts: an unknown field or a wrong type fails ``serve run`` at
+once with the field's name. ``user_config`` is a ``UserConfig`` (the warm-up plan), checked by
+``coldstart serve`` before Ray starts and by each replica's ``reconfigure``. Every field is
+documented once, under it; ``docs/configuration.md`` is generated from these models
+(``python -m deployments.tools.reference``). No torch is imported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from deployments import envs
+from deployments.engine.config import EngineConfig
+from deployments.engine.warmup import WarmupPlan
+from weights.options import LoadOptions
+
+M = TypeVar("M", bound=BaseModel)
+
+_STRICT = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
-def _from_dict(cls, d: Mapping[str, Any] | None, where: str):
-    """Build dataclass ``cls`` from ``d``, naming ``where`` and the field in every error."""
-    d = dict(d or {})
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(names))
-    if unknown:
-        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(names))}")
-    for k, v in d.items():
-        want = names[k].type
-        _check_type(f"{where}.{k}", v, want)
-    return cls(**d)
+class HttpOptions(BaseModel):
+    """The HTTP front's limits (``args.http``)."""
+
+    model_config = _STRICT
+
+    body_timeout_s: float = Field(10.0, gt=0)
+    """Seconds a request's whole body may take to arrive; a client that has not sent it by then
+    gets a 408 and frees the replica's request slot (keep it below the deployment's
+    graceful_shutdown_timeout_s, so a stalled client never holds up a scale-down)."""
 
 
-_SIMPLE = {"int": int, "float": (int, float), "str": str, "bool": bool}
+class DeploymentArgs(BaseModel):
+    """The application's ``args`` in serve_config.yaml."""
 
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-def _check_type(name: str, v: Any, want: str) -> None:
-    want = want.replace(" ", "")
-    if want.endswith("|None"):
-        if v is None:
-            return
-        want = want[: -len("|None")]
-    if want in _SIMPLE:
-        ok = isinstance(v, _SIMPLE[want]) and not (want in ("int", "float") and isinstance(v, bool))
-    elif want.startswith("list[int]"):
-        ok = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-    elif want.startswith("dict"):
-        ok = isinstance(v, dict)
-    else:
-        ok = True
-    if not ok:
-        raise ValueError(f"{name} must be {want}, got {type(v).__name__} {v!r}")
-
-
-@dataclass
-class WarmupPlan:
-    """The warm-up plan, from ``user_config``; changing it re-warms the replica."""
-
-    requests: int = 1
-    """Shadow rounds run one after another (the first pays lazy initialisation)."""
-    prompt_fraction: float = 0.125
-    """Prompt length of each shadow request as a fraction of max_seq_len."""
-    decode_tokens: int = 16
-    """Tokens generated per shadow request (greedy, KV cache on, graphs replayed)."""
-    batch_sizes: list[int] = field(default_factory=lambda: [1])
-    """Concurrent shadow requests per round, so every decode graph bucket used in
-    serving has run once before the first user arrives."""
-    hold_s: float = 0.0
-    """Stay un-routable this many seconds after the first warm-up (for drills and tests)."""
-
-    def __post_init__(self) -> None:
-        if self.requests < 0:
-            raise ValueError(f"warmup.requests must be >= 0, got {self.requests}")
-        if not 0 < self.prompt_fraction <= 1:
-            raise ValueError(f"warmup.prompt_fraction must be in (0, 1], got {self.prompt_fraction}")
-        if self.decode_tokens < 1:
-            raise ValueError(f"warmup.decode_tokens must be >= 1, got {self.decode_tokens}")
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"warmup.batch_sizes must be positive ints, got {self.batch_sizes}")
-        if self.hold_s < 0:
-            raise ValueError(f"warmup.hold_s must be >= 0, got {self.hold_s}")
-
-    @classmethod
-    def from_user_config(cls, user_config: Mapping[str, Any] | None) -> "WarmupPlan":
-        uc = dict(user_config or {})
-        unknown = sorted(set(uc) - {"warmup"})
-        if unknown:
-            raise ValueError(f"user_config: unknown field(s) {', '.join(unknown)}; known: warmup")
-        return _from_dict(cls, uc.get("warmup"), "user_config.warmup")
-
-
-@dataclass
-class DeploymentArgs:
-    """The application's args in serve_config.yaml."""
-
-    model: str = "weights/demo"
-    """Packed model directory; a relative path is taken from $COLDSTART_HOME, else the
+    model: str = Field("weights/demo", strict=True)
+    """Packed model directory; a relative path is taken from COLDSTART_HOME, else from the
     directory `serve run` was started in."""
-    model_name: str | None = None
+    model_name: str | None = Field(None, strict=True)
     """Model id in the OpenAI API (default: the directory's name)."""
-    device: str = "auto"
-    """auto (cuda when a GPU is visible, else cpu), cuda, cuda:N or cpu."""
-    engine: dict = field(default_factory=dict)
-    """EngineConfig fields: max_slots, max_seq_len, prefill_chunk, cuda_graphs, ..."""
-    load: dict = field(default_factory=dict)
-    """LoadOptions fields: threads, read_bytes, cold_threads, cold_read_bytes, verify, readahead,
-    trickle, trickle_read_bytes, direct_io, cold_direct_io, ..."""
-    fault_injection: bool = False
-    """Enable POST /admin/fault for drills (stops the engine loop so health checks fail)."""
+    device: str = Field("auto", strict=True)
+    """auto (cuda when the replica sees a GPU, else cpu), cpu, cuda or cuda:N."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """The engine's options (``EngineConfig``)."""
+    load: LoadOptions = Field(default_factory=LoadOptions)
+    """The weight load's options (``LoadOptions``)."""
+    http: HttpOptions = Field(default_factory=HttpOptions)
+    """The HTTP front's limits (``HttpOptions``)."""
+    fault_injection: bool = Field(False, strict=True)
+    """Enable POST /admin/fault for drills (stops the engine loop, so health checks fail)."""
 
-    def __post_init__(self) -> None:
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"args.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-
+    @field_validator("device")
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "DeploymentArgs":
-        return _from_dict(cls, d, "args")
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda") and not (v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
+        return v
 
     def model_path(self) -> Path:
         p = Path(self.model).expanduser()
         if not p.is_absolute():
-            p = Path(os.environ.get("COLDSTART_HOME", os.getcwd())) / p
+            p = Path(envs.read("COLDSTART_HOME") or os.getcwd()) / p
         return p
+
+
+class UserConfig(BaseModel):
+    """The deployment's ``user_config``: what ``reconfigure`` applies to a running replica."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    warmup: WarmupPlan = Field(default_factory=WarmupPlan)
+    """The warm-up plan (``WarmupPlan``); editing it re-warms the replicas."""
+
+
+_KIND = {"int_type": "int", "float_type": "a number", "bool_type": "true or false", "string_type": "str",
+         "list_type": "a list", "tuple_type": "a list", "dict_type": "an object", "model_type": "an object",
+         "model_attributes_type": "an object"}
+
+
+def _model_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class that holds the field at ``loc`` (a path of field names below ``cls``)."""
+    for name in loc:
+        field = cls.model_fields.get(str(name))
+        sub = getattr(field, "annotation", None)
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return None
+        cls = sub
+    return cls
+
+
+def describe(e: ValidationError, where: str, cls: type[BaseModel] | None = None) -> str:
+    """``e``'s errors in the project's words, each naming the field from ``where`` down, what
+    it must be and what was given; an unknown field's message lists the known ones of ``cls``
+    (or of its model that holds it)."""
+    lines = []
+    for err in e.errors(include_url=False):
+        loc = ".".join(str(x) for x in (where, *err["loc"]) if x != "")
+        kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
+        shown = f"{type(given).__name__} {given!r}"[:200]
+        if kind == "extra_forbidden":
+            parent, _, name = loc.rpartition(".")
+            holder = _model_at(cls, err["loc"][:-1]) if cls is not None else None
+            known = f"; known: {', '.join(sorted(holder.model_fields))}" if holder is not None else ""
+            lines.append(f"{parent}: unknown field {name!r}{known}")
+        elif kind == "missing":
+            lines.append(f"{loc} is required")
+        elif kind in _KIND:
+            lines.append(f"{loc} must be {_KIND[kind]}, got {shown}")
+        elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            op = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+            bound = next(iter(ctx.values()), "?")
+            lines.append(f"{loc} must be {op} {bound}, got {given!r}")
+        elif kind == "value_error":
+            lines.append(f"{loc}: {str(ctx.get('error', err['msg']))}")
+        else:
+            lines.append(f"{loc}: {err['msg']} (got {shown})")
+    return "; ".join(lines)
+
+
+def parse(cls: type[M], data: Mapping[str, Any] | None, where: str) -> M:
+    """``cls`` built from ``data`` (what serve_config.yaml holds); ValueError in the project's
+    words (``describe``), listing the known fields where one is unknown."""
+    try:
+        return cls.model_validate(dict(data or {}) if isinstance(data, Mapping) or data is None else data)
+    except ValidationError as e:
+        raise ValueError(f"{describe(e, where, cls)} (docs/configuration.md lists every field)") from None

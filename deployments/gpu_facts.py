@@ -3,7 +3,7 @@
 Pure parsers and verdicts (testable on any machine) plus cheap probes that start
 no CUDA context: ``nvidia-smi``, /proc/driver/nvidia/version, libcuda's
 cuDriverGetVersion, the libraries mapped into this process. ``coldstart doctor``
-turns them into checks; the replica's preflight (``deployments.runtime``) uses
+turns them into checks; the replica's preflight (``deployments.device``) uses
 the driver verdict to fail fast.
 """
 

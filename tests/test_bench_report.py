@@ -84,7 +84,7 @@ def test_warm_cache_leaves_the_files_in_the_page_cache(tmp_path):
     import os
 
     from bench.load import warm_cache
-    from deployments.doctor import drop_page_cache
+    from deployments.tools.doctor import drop_page_cache
     from weights.readahead import resident_fraction
 
     f = tmp_path / "w.bin"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments import bytecode
+from deployments.startup import bytecode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +49,6 @@ def test_enable_is_off_without_a_place_to_keep_it(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     assert bytecode.enable({"COLDSTART_BYTECODE_CACHE": "0"}, probe="cs_probe_pkg") is None
-    monkeypatch.setenv("COLDSTART_KERNEL_VERDICTS", "0")  # nothing kept per node
-    assert bytecode.enable({}, probe="cs_probe_pkg") is None
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert bytecode.enable({"COLDSTART_BYTECODE_CACHE": str(blocker / "cache")}, probe="cs_probe_pkg") is None
@@ -65,7 +63,7 @@ def counted(self, data, path, *a, **k):
     compiled.append(str(path))
     return original(self, data, path, *a, **k)
 external.SourceLoader.source_to_code = counted
-from deployments import bytecode
+from deployments.startup import bytecode
 where = bytecode.enable(probe="cs_probe_pkg")
 compiled.clear()
 import cs_probe_pkg

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.cli import build_parser, derived_config
+from deployments.tools.cli import build_parser, derived_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deployments.cli", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "deployments.tools.cli", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 

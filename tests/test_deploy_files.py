@@ -222,7 +222,7 @@ def test_cluster_syncs_and_verifies_weights():
     assert any(c == f"coldstart verify {model}" for c in setup)
     assert f"{Path(model).name} " in init + " " and f":{Path(model).parent}:ro" in " ".join(
         CLUSTER["docker"]["worker_run_options"])
-    assert any(c.startswith(("coldstart doctor", "python -m deployments.doctor"))
+    assert any(c.startswith(("coldstart doctor", "python -m deployments.tools.doctor"))
                and "--require-gpu" in c for c in setup)
     assert any("ray start --head" in c for c in CLUSTER["head_start_ray_commands"])
     assert any("ray start --address=$RAY_HEAD_IP:6379" in c for c in CLUSTER["worker_start_ray_commands"])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments import doctor
-from deployments.doctor import Check, GpuInfo
+from deployments.tools import doctor
+from deployments.tools.doctor import Check, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = ["torch build", "nvidia driver", "cuda runtime", "cuda context", "visible gpu",
@@ -61,11 +61,11 @@ def by_name(report: dict) -> dict[str, dict]:
 
 # ------------------------------------------------------------------ the command
 def test_help_imports_no_torch():
-    code = "import sys, deployments.doctor; print('torch' in sys.modules)"
+    code = "import sys, deployments.tools.doctor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "False", "deployments.doctor must import torch lazily"
-    r = subprocess.run([sys.executable, "-m", "deployments.doctor", "--help"], cwd=ROOT,
+    assert out.strip() == "False", "deployments.tools.doctor must import torch lazily"
+    r = subprocess.run([sys.executable, "-m", "deployments.tools.doctor", "--help"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     for flag in ("--model", "--read-gib", "--json", "--require-gpu"):
@@ -358,7 +358,7 @@ def test_recommended_env_is_ok():
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
 def test_gpu_checks_run_on_a_gpu(model_dir):
     # a fresh process: the context must not exist yet for its creation to be timed
-    p = subprocess.run([sys.executable, "-m", "deployments.cli", "doctor", "--json", "--model", str(model_dir),
+    p = subprocess.run([sys.executable, "-m", "deployments.tools.cli", "doctor", "--json", "--model", str(model_dir),
                         "--read-gib", "0.001", "--require-gpu"], capture_output=True, text=True, cwd=ROOT)
     rc, report = p.returncode, json.loads(p.stdout)
     checks = by_name(report)
@@ -419,7 +419,7 @@ def test_kernel_cache_is_skipped_when_triton_is_off(monkeypatch):
 def test_compiled_modules_says_where_replicas_keep_them(monkeypatch, tmp_path):
     """Where torch has no .pyc the interpreter can read or write, the doctor says so and
     where replicas keep the compiled modules instead; turned off, it warns."""
-    from deployments import bytecode
+    from deployments.startup import bytecode
 
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setattr(bytecode, "needed", lambda probe="torch": False)

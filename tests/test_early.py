@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments import early
+from deployments.startup import early
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ for name in ("_cuda_getDeviceCount", "_cuda_init"):
     real = getattr(torch._C, name, None)
     if real is not None:
         setattr(torch._C, name, lambda real=real, name=name: calls.append(name) or real())
-from deployments import early
+from deployments.startup import early
 early.hook()
 assert early.wait(240)
 print(json.dumps({"calls": calls, "initialized": torch.cuda.is_initialized(), "times": early.times(),
@@ -74,7 +74,7 @@ def test_a_failed_import_is_left_to_the_constructor():
 _AFTER_HOOK = """
 import json, os
 os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # as a worker starts: Ray has not chosen its GPU yet
-from deployments import early
+from deployments.startup import early
 early.hook()
 assert early.wait(240) and not early._error, early._error
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # what Ray sets once the actor arrives (here: no GPU)
@@ -99,7 +99,7 @@ def test_the_devices_a_replica_sees_are_chosen_after_the_hook():
 
 _GC = """
 import gc, json, os
-from deployments import early
+from deployments.startup import early
 before = gc.isenabled()
 early.hook()
 paused = not gc.isenabled()

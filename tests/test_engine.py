@@ -9,11 +9,12 @@ import time
 import pytest
 import torch
 
-from deployments.engine import Engine, EngineConfig, NonFiniteLogits, SamplingParams, _check_fits
+from deployments.engine import Engine, EngineConfig, NonFiniteLogits, SamplingParams
+from deployments.engine.runner import check_fits
 from deployments.model import build_model
-from deployments.request import TextState
-from deployments.sampling import sample
-from deployments.tokenizer import Tokenizer
+from deployments.engine.request import TextState
+from deployments.engine.sampling import sample
+from deployments.engine.tokenizer import Tokenizer
 from helpers_engine import hf_greedy, hf_model, state_tensors, write_tokenizer_dir
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -87,14 +88,29 @@ def test_cancel_frees_the_slot():
 
 
 def test_cancel_while_waiting():
-    eng, _ = make_engine(max_slots=1, start=False)
-    h = eng.submit([1, 2], SamplingParams(max_new_tokens=3, **GREEDY))
-    h.cancel()
-    eng.start()
+    eng, _ = make_engine(max_slots=1, max_seq_len=256)
     try:
+        busy = eng.submit([3, 4], SamplingParams(max_new_tokens=250, **GREEDY))  # holds the one slot
+        h = eng.submit([1, 2], SamplingParams(max_new_tokens=3, **GREEDY))
+        h.cancel()
         assert h.result(timeout=30) == ([], "", "cancelled")
+        busy.cancel()
+        assert busy.result(timeout=30)[2] == "cancelled"
     finally:
         eng.shutdown()
+
+
+def test_submit_before_start_is_refused():
+    eng, _ = make_engine(start=False)
+    with pytest.raises(RuntimeError, match=r"not started: call Engine.start\(\)"):
+        eng.submit([1, 2], SamplingParams(max_new_tokens=3, **GREEDY))
+    eng.start()
+    try:
+        assert eng.generate([1, 2], SamplingParams(max_new_tokens=3, **GREEDY))[2] == "length"
+    finally:
+        eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.submit([1, 2], SamplingParams(max_new_tokens=3, **GREEDY))
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +213,7 @@ def test_bad_sampling_params_name_the_field(engine, kw, field):
     ],
 )
 def test_bad_engine_config_names_the_field(kw, field):
-    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}\b"):
+    with pytest.raises(ValueError, match=rf"(EngineConfig\n|engine\.){field}\b|\b{field} "):
         make_engine(start=False, **kw)
 
 
@@ -216,14 +232,14 @@ def test_bad_prompts(engine):
 def test_one_bad_request_does_not_kill_the_loop(engine):
     eng, _ = engine
     bad = {"id": None}
-    orig = eng._emit
+    orig = eng.scheduler._emit
 
     def emit(s, tok, reason):
         if s.handle.id == bad["id"]:
             raise KeyError("boom")
         orig(s, tok, reason)
 
-    eng._emit = emit
+    eng.scheduler._emit = emit
     good = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=10, **GREEDY))
     h = eng.submit([4, 5, 6], SamplingParams(max_new_tokens=10, **GREEDY))
     bad["id"] = h.id
@@ -264,7 +280,7 @@ def test_a_finished_request_leaves_its_slot_zeroed(engine):
     ids, _, reason = eng.generate(PROMPTS[2], SamplingParams(max_new_tokens=9, **GREEDY))  # 13 tokens, 4 chunks
     assert reason == "length" and len(ids) == 9
     assert eng.stats()["free_slots"] == 4
-    assert not eng.cache.data.any()  # slot 0 held 13 + 8 positions; every one is zero again
+    assert not eng.runner.cache.data.any()  # slot 0 held 13 + 8 positions; every one is zero again
 
 
 def test_sample_gives_no_token_for_non_finite_rows():
@@ -341,21 +357,6 @@ def test_stats_and_shutdown(engine):
     assert (s["running"], s["waiting"], s["free_slots"]) == (0, 0, 4)
 
 
-def test_start_takes_the_start_up_heap_out_of_garbage_collection():
-    import gc
-
-    class Made:  # an object the start-up made, alive as long as the engine is
-        pass
-    keep = Made()
-    gc.unfreeze()
-    eng, _ = make_engine(max_slots=2, max_seq_len=64)  # starts it
-    try:
-        assert gc.get_freeze_count() > 0
-        assert not any(o is keep for o in gc.get_objects())  # frozen: collections skip it
-    finally:
-        eng.shutdown()
-
-
 def test_submit_after_shutdown_is_refused():
     eng, _ = make_engine(max_slots=2, max_seq_len=64)
     eng.shutdown()
@@ -379,8 +380,8 @@ def test_fallback_engine_matches_transformers():
 
 def test_kv_cache_too_large_message():
     cfg = EngineConfig(max_slots=64, max_seq_len=8192).resolved(8192)
-    with pytest.raises(ValueError, match=r"needs 64\.00 GiB.*only 10\.00 GiB of 80\.00 GiB.*lower EngineConfig\.max_slots"):
-        _check_fits(64 << 30, cfg, 10 << 30, 80 << 30, "cuda:0")
+    with pytest.raises(ValueError, match=r"needs 64\.00 GiB.*only 10\.00 GiB of 80\.00 GiB.*lower engine\.max_slots"):
+        check_fits(64 << 30, cfg, 10 << 30, 80 << 30, "cuda:0")
 
 
 def test_default_buckets():
@@ -464,7 +465,7 @@ def test_queue_wait_is_the_time_until_a_slot_was_free():
 
 
 def test_prefill_lengths():
-    from deployments.engine import prefill_lengths
+    from deployments.engine.config import prefill_lengths
     assert prefill_lengths(512) == (16, 32, 64, 128, 256, 512)
     assert prefill_lengths(100) == (16, 32, 64, 100)
     assert prefill_lengths(4) == (4,)
@@ -611,9 +612,9 @@ def test_fresh_prompts_of_one_length_share_a_prefill(device):
     groups = []
     real = eng.model.prefill_batch
     eng.model.prefill_batch = lambda tokens, *a, **k: (groups.append(tuple(tokens.shape)), real(tokens, *a, **k))[1]
-    handles = [eng.submit(p, SamplingParams(max_new_tokens=5, **GREEDY)) for p in prompts]
     try:
         eng.start()
+        handles = eng.submit_many([(p, SamplingParams(max_new_tokens=5, **GREEDY)) for p in prompts])
         outs = [h.result(timeout=60)[0] for h in handles]
     finally:
         eng.shutdown()
@@ -631,9 +632,9 @@ def test_a_failed_shared_prefill_fails_only_its_requests():
     eng.model.prefill_batch = lambda tokens, *a, **k: (
         real(tokens, *a, **k) if tokens.shape[0] == 2 and eng.stats()["first_prefill_s"] == 0
         else (_ for _ in ()).throw(ValueError("a bad row")))
-    handles = [eng.submit(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in ([3, 4], [5, 6, 7], [8] * 20)]
     try:
         eng.start()
+        handles = eng.submit_many([(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in ([3, 4], [5, 6, 7], [8] * 20)])
         reasons = [h.result(timeout=60)[2] for h in handles]
         assert reasons == ["error", "error", "length"] and eng.alive()
         assert eng.generate([9, 10], SamplingParams(max_new_tokens=3, **GREEDY))[0] == hf_greedy(hf, [9, 10], 3)
@@ -645,23 +646,24 @@ def test_a_failed_shared_prefill_fails_only_its_requests():
 def test_a_request_whose_sampler_cannot_be_made_fails_alone():
     """A request whose sampling generator cannot be made (here: made to raise) fails alone,
     even in a prefill it shares; the loop, and the request beside it, go on."""
-    eng, hf = make_engine(start=False, prefill_chunk=64)
-    real = eng._make_generator
+    from deployments.engine import scheduler
+    eng, hf = make_engine(prefill_chunk=64)
+    real = scheduler._generator
 
-    def make(p):
+    def make(p, device):
         if p.seed == 13:
             raise OverflowError("seed out of range")
-        return real(p)
-    eng._make_generator = make
-    bad = eng.submit([7, 8, 9, 10], SamplingParams(max_new_tokens=4, temperature=1.0, seed=13))
-    good = eng.submit([3, 4, 5, 6], SamplingParams(max_new_tokens=4, **GREEDY))
+        return real(p, device)
+    scheduler._generator = make
     try:
-        eng.start()
+        bad, good = eng.submit_many([([7, 8, 9, 10], SamplingParams(max_new_tokens=4, temperature=1.0, seed=13)),
+                                     ([3, 4, 5, 6], SamplingParams(max_new_tokens=4, **GREEDY))])
         assert bad.result(timeout=60)[2] == "error" and isinstance(bad.error, OverflowError)
         assert good.result(timeout=60)[0] == hf_greedy(hf, [3, 4, 5, 6], 4)
         assert eng.stats()["batched_prefills"] == 1  # the two shared one prefill
         assert eng.alive() and eng.stats()["free_slots"] == eng.config.max_slots
     finally:
+        scheduler._generator = real
         eng.shutdown()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.cli import main as cli
+from deployments.tools.cli import main as cli
 from weights import PackedFormatError, PackOptions, load, pack, read_packed, verify
 from weights.format import PREAMBLE_BYTES, encode_preamble
 

@@ -9,7 +9,6 @@ process with TRITON_INTERPRET=1 (or run `TRITON_INTERPRET=1 pytest tests/test_ke
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from conftest import gpu
-from deployments import kernels
+from deployments.kernels import ops, policy
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -75,7 +74,7 @@ def _rope_inputs(B, H, Hkv, Dh, pad, dtype, device="cpu", T=32, slots=None, seed
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 def test_ref_add_rms_norm(shape, dtype):
     x, r, w = _norm_inputs(shape, dtype, pad=3)
-    normed, summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+    normed, summed = ops._ref_add_rms_norm(x, r, w, EPS)
     expect_sum = x + r
     assert torch.equal(summed, expect_sum)
     s = expect_sum.double()
@@ -89,7 +88,7 @@ def test_ref_add_rms_norm(shape, dtype):
 def test_ref_silu_mul(shape, dtype):
     n = shape[-1] // 2
     gate_up = _randn(*shape[:-1], 2 * n + 5, dtype=dtype, g=_gen())[..., : 2 * n]  # strided rows
-    out = kernels._ref_silu_mul(gate_up)
+    out = ops._ref_silu_mul(gate_up)
     g, u = gate_up[..., :n].double(), gate_up[..., n:].double()
     assert out.dtype == dtype and out.shape == (*shape[:-1], n)
     torch.testing.assert_close(out, (g * torch.sigmoid(g) * u).to(dtype), **TOL[dtype])
@@ -120,7 +119,7 @@ def test_ref_rope_store_kv(case, dtype):
     B, H, Hkv, Dh, pad = case
     qkv, cos, sin_f, kc, vc, pos, sin = _rope_inputs(B, H, Hkv, Dh, pad, dtype)
     expect_q, expect_k, expect_v = _hf_rope_longhand(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
-    q = kernels._ref_rope_store_kv(qkv, cos, sin_f, kc, vc, pos, H, Hkv, Dh)
+    q = ops._ref_rope_store_kv(qkv, cos, sin_f, kc, vc, pos, H, Hkv, Dh)
     assert q.shape == (B, H, Dh) and q.is_contiguous() and q.dtype == dtype
     torch.testing.assert_close(q, expect_q, **TOL[dtype])
     torch.testing.assert_close(kc, expect_k, **TOL[dtype])
@@ -132,26 +131,26 @@ def test_ref_rope_store_kv(case, dtype):
 
 def test_available(monkeypatch):
     monkeypatch.delenv("COLDSTART_TRITON", raising=False)
-    assert not kernels.available("cpu") and not kernels.available(torch.device("cpu"))
-    assert kernels.available("cuda") == (kernels.triton is not None)
+    assert not ops.available("cpu") and not ops.available(torch.device("cpu"))
+    assert ops.available("cuda") == (ops.triton is not None)
     monkeypatch.setenv("COLDSTART_TRITON", "0")
-    assert not kernels.available("cuda")
+    assert not ops.available("cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_functions_fall_back_on_cpu(dtype):
     x, r, w = _norm_inputs((3, 4100), dtype)
-    normed, summed = kernels.add_rms_norm(x, r, w, EPS)
-    ref_normed, ref_summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+    normed, summed = ops.add_rms_norm(x, r, w, EPS)
+    ref_normed, ref_summed = ops._ref_add_rms_norm(x, r, w, EPS)
     assert torch.equal(normed, ref_normed) and torch.equal(summed, ref_summed)
 
     gate_up = _randn(3, 2 * 4100, dtype=dtype, g=_gen(1))
-    assert torch.equal(kernels.silu_mul(gate_up), kernels._ref_silu_mul(gate_up))
+    assert torch.equal(ops.silu_mul(gate_up), ops._ref_silu_mul(gate_up))
 
     qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(3, 8, 2, 128, 16, dtype)
     kc2, vc2 = kc.clone(), vc.clone()
-    q = kernels.rope_store_kv(qkv, cos, sin, kc, vc, pos, 8, 2, 128)
-    assert torch.equal(q, kernels._ref_rope_store_kv(qkv, cos, sin, kc2, vc2, pos, 8, 2, 128))
+    q = ops.rope_store_kv(qkv, cos, sin, kc, vc, pos, 8, 2, 128)
+    assert torch.equal(q, ops._ref_rope_store_kv(qkv, cos, sin, kc2, vc2, pos, 8, 2, 128))
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
@@ -160,25 +159,25 @@ def _rope_call(**over):
     args = dict(qkv=torch.randn(B, (H + 2 * Hkv) * Dh), cos=torch.randn(B, Dh), sin=torch.randn(B, Dh),
                 k_cache=torch.randn(3, Hkv, T, Dh), v_cache=torch.randn(3, Hkv, T, Dh),
                 positions=torch.tensor([0, 4]), n_heads=H, n_kv=Hkv, head_dim=Dh)
-    return lambda: kernels.rope_store_kv(**{**args, **over})
+    return lambda: ops.rope_store_kv(**{**args, **over})
 
 
 def _norm_call(x=(2, 8), r=(2, 8), w=(8,), dtype=torch.float32, r_dtype=None, w_dtype=None):
-    return lambda: kernels.add_rms_norm(torch.randn(x).to(dtype), torch.randn(r).to(r_dtype or dtype),
+    return lambda: ops.add_rms_norm(torch.randn(x).to(dtype), torch.randn(r).to(r_dtype or dtype),
                                         torch.randn(w).to(w_dtype or dtype), EPS)
 
 
 BAD_INPUTS = [
     pytest.param(_norm_call(dtype=torch.int64), "x", id="norm-x-int"),
-    pytest.param(lambda: kernels.add_rms_norm(torch.randn(8, 2).t(), torch.randn(2, 8), torch.randn(8), EPS),
+    pytest.param(lambda: ops.add_rms_norm(torch.randn(8, 2).t(), torch.randn(2, 8), torch.randn(8), EPS),
                  "x", id="norm-x-strided-last-dim"),
     pytest.param(_norm_call(r=(2, 9)), "residual", id="norm-residual-shape"),
     pytest.param(_norm_call(r_dtype=torch.float16), "residual", id="norm-residual-dtype"),
     pytest.param(_norm_call(w=(9,)), "weight", id="norm-weight-shape"),
     pytest.param(_norm_call(w_dtype=torch.bfloat16), "weight", id="norm-weight-dtype"),
-    pytest.param(lambda: kernels.silu_mul(torch.randn(2, 7)), "gate_up", id="silu-odd"),
-    pytest.param(lambda: kernels.silu_mul([1.0, 2.0]), "gate_up", id="silu-not-tensor"),
-    pytest.param(lambda: kernels.silu_mul(torch.randn(8, 2).t()), "gate_up", id="silu-strided-last-dim"),
+    pytest.param(lambda: ops.silu_mul(torch.randn(2, 7)), "gate_up", id="silu-odd"),
+    pytest.param(lambda: ops.silu_mul([1.0, 2.0]), "gate_up", id="silu-not-tensor"),
+    pytest.param(lambda: ops.silu_mul(torch.randn(8, 2).t()), "gate_up", id="silu-strided-last-dim"),
     pytest.param(_rope_call(qkv=torch.randn(2, 15)), "qkv", id="rope-qkv-width"),
     pytest.param(_rope_call(qkv=torch.randn(2, 1, 16)), "qkv", id="rope-qkv-3d"),
     pytest.param(_rope_call(cos=torch.randn(2, 1, 4)), "cos", id="rope-cos-shape"),
@@ -205,11 +204,11 @@ def test_bad_inputs_raise_naming_the_argument(call, name):
 
 @pytest.fixture
 def interp():
-    """kernels, with its Triton kernels interpreted (only in a TRITON_INTERPRET=1 process)."""
+    """kernels.ops, with its Triton kernels interpreted (only in a TRITON_INTERPRET=1 process)."""
     pytest.importorskip("triton")
     if not INTERPRETED:
         pytest.skip("runs in a TRITON_INTERPRET=1 process (test_triton_interpreter)")
-    return kernels
+    return ops
 
 
 def test_triton_interpreter():
@@ -364,17 +363,20 @@ def test_interp_engine_path_gives_transformers_greedy_tokens(interp, monkeypatch
     from helpers_engine import hf_greedy, hf_model
     from weights import PackOptions, load, pack
 
+    import dataclasses
+
+    from deployments.model.build import gemv_groups
+
     monkeypatch.setattr(interp, "available", lambda device: True)
-    monkeypatch.setenv("COLDSTART_DECODE_ATTENTION", "triton")
-    monkeypatch.setenv("COLDSTART_GEMV", "triton")
     hf, cfg = hf_model(arch, **kw)
     hf.save_pretrained(tmp_path / "hf")
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
     model = build_model(m.config, m.tensors)
-    assert model.use_kernels and model.use_attention_kernel
-    # every projection: qkv, o_proj, gate_up, down_proj, lm_head (o_proj and q share a shape)
+    # every projection through the GEMV: qkv, o_proj, gate_up, down_proj, lm_head (o_proj and q share a shape)
+    shapes = frozenset(tuple(pairs[0][0].shape) for pairs in gemv_groups(model).values())
+    model.kernels = dataclasses.replace(model.kernels, fused=True, attention=True, gemv=shapes)
     D, V = model.config.hidden_size, model.config.vocab_size
-    assert {(D, D), (V, D)} <= model.gemv_shapes
+    assert {(D, D), (V, D)} <= model.kernels.gemv
     eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
     eng.start()
     try:
@@ -394,7 +396,7 @@ def _use_triton(monkeypatch) -> None:
     if INTERPRETED:
         pytest.skip("TRITON_INTERPRET=1: compiled kernels are not available in this process")
     monkeypatch.delenv("COLDSTART_TRITON", raising=False)
-    assert kernels.available("cuda")
+    assert ops.available("cuda")
 
 
 @gpu
@@ -403,18 +405,18 @@ def _use_triton(monkeypatch) -> None:
 def test_gpu_kernels_match_reference(monkeypatch, B, dtype):
     _use_triton(monkeypatch)
     x, r, w = _norm_inputs((B, 4096), dtype, device="cuda", pad=64)
-    normed, summed = kernels.add_rms_norm(x, r, w, EPS)
-    ref_normed, ref_summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+    normed, summed = ops.add_rms_norm(x, r, w, EPS)
+    ref_normed, ref_summed = ops._ref_add_rms_norm(x, r, w, EPS)
     assert torch.equal(summed, ref_summed)
     torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
 
     gate_up = _randn(B, 2 * 14336 + 64, dtype=dtype, g=_gen(3), device="cuda")[:, : 2 * 14336]
-    torch.testing.assert_close(kernels.silu_mul(gate_up), kernels._ref_silu_mul(gate_up), **TOL[dtype])
+    torch.testing.assert_close(ops.silu_mul(gate_up), ops._ref_silu_mul(gate_up), **TOL[dtype])
 
     qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(B, 32, 8, 128, 64, dtype, device="cuda", T=128, slots=80)
     ref_kc, ref_vc = kc.clone(), vc.clone()
-    q = kernels.rope_store_kv(qkv, cos, sin, kc, vc, pos, 32, 8, 128)
-    ref_q = kernels._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, 32, 8, 128)
+    q = ops.rope_store_kv(qkv, cos, sin, kc, vc, pos, 32, 8, 128)
+    ref_q = ops._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, 32, 8, 128)
     torch.testing.assert_close(q, ref_q, **TOL[dtype])
     torch.testing.assert_close(kc, ref_kc, **TOL[dtype])
     assert torch.equal(vc, ref_vc)
@@ -430,8 +432,8 @@ def test_gpu_kernels_in_cuda_graph(monkeypatch, dtype):
     qkv, cos, sin, kc, vc, pos, _ = _rope_inputs(B, H, Hkv, Dh, 0, dtype, device="cuda", T=T)
 
     def step():
-        return kernels.add_rms_norm(x, r, w, EPS), kernels.silu_mul(gate_up), \
-            kernels.rope_store_kv(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
+        return ops.add_rms_norm(x, r, w, EPS), ops.silu_mul(gate_up), \
+            ops.rope_store_kv(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
 
     side = torch.cuda.Stream()  # warm up (compiles) off the capture, as torch's docs do
     side.wait_stream(torch.cuda.current_stream())
@@ -452,11 +454,11 @@ def test_gpu_kernels_in_cuda_graph(monkeypatch, dtype):
         ref_kc, ref_vc = kc.clone(), vc.clone()
         graph.replay()
         torch.cuda.synchronize()
-        ref_normed, ref_summed = kernels._ref_add_rms_norm(x, r, w, EPS)
+        ref_normed, ref_summed = ops._ref_add_rms_norm(x, r, w, EPS)
         assert torch.equal(summed, ref_summed)
         torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
-        torch.testing.assert_close(act, kernels._ref_silu_mul(gate_up), **TOL[dtype])
-        ref_q = kernels._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, H, Hkv, Dh)
+        torch.testing.assert_close(act, ops._ref_silu_mul(gate_up), **TOL[dtype])
+        ref_q = ops._ref_rope_store_kv(qkv, cos, sin, ref_kc, ref_vc, pos, H, Hkv, Dh)
         torch.testing.assert_close(q, ref_q, **TOL[dtype])
         torch.testing.assert_close(kc, ref_kc, **TOL[dtype])
         assert torch.equal(vc, ref_vc)
@@ -471,15 +473,15 @@ def test_gemv_rejects_bad_inputs(kw, msg):
     args = dict(x=torch.zeros(1, 8), w=torch.zeros(4, 8), bias=None)
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
-        kernels.gemv(**args)
+        ops.gemv(**args)
 
 
 def test_gemv_falls_back_on_cpu():
     g = _gen(5)
     x, w, b = _randn(1, 1, 24, dtype=torch.float32, g=g), _randn(7, 24, dtype=torch.float32, g=g), \
         _randn(7, dtype=torch.float32, g=g)
-    assert torch.equal(kernels.gemv(x, w, b), torch.nn.functional.linear(x, w, b))
-    chosen, report = kernels.gemv_choice({"proj": [(w, b)]})
+    assert torch.equal(ops.gemv(x, w, b), torch.nn.functional.linear(x, w, b))
+    chosen, report = policy.gemv_choice({"proj": [(w, b)]})
     assert chosen == set() and "not available" in report["proj"]["error"]
 
 
@@ -492,8 +494,8 @@ def test_gpu_gemv_matches_linear_and_is_timed(monkeypatch, N, K, dtype):
     x, w = _randn(1, K, dtype=dtype, g=g, device="cuda"), _randn(N, K, dtype=dtype, g=g, device="cuda")
     b = _randn(N, dtype=dtype, g=g, device="cuda")
     want = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(dtype)
-    torch.testing.assert_close(kernels.gemv(x, w, b), want, **TOL[dtype])
-    chosen, report = kernels.gemv_choice({"proj": [(w, b), (w, b)]})
+    torch.testing.assert_close(ops.gemv(x, w, b), want, **TOL[dtype])
+    chosen, report = policy.gemv_choice({"proj": [(w, b), (w, b)]})
     r = report["proj"]
     assert "error" not in r and r["torch_ms"] > 0 and r["triton_ms"] > 0
     assert (chosen == {(N, K)}) == r["triton"]
@@ -501,40 +503,41 @@ def test_gpu_gemv_matches_linear_and_is_timed(monkeypatch, N, K, dtype):
 
 def test_gemv_choice_keeps_nothing_without_cuda(tmp_path):
     w = torch.zeros(8, 16)
-    chosen, report = kernels.gemv_choice({"proj": [(w, None)]}, keep=tmp_path)
+    chosen, report = policy.gemv_choice({"proj": [(w, None)]}, keep=tmp_path)
     assert chosen == set() and "not available" in report["proj"]["error"]
     assert list(tmp_path.iterdir()) == []
 
 
 def test_kernel_verdicts_round_trip_and_survive_bad_files(tmp_path, caplog):
     path = tmp_path / "sub" / "coldstart-gemv-x.json"
-    assert kernels._read_verdict(path) is None  # none yet
+    assert policy._read_verdict(path) is None  # none yet
     report = {"qkv": {"shape": [12288, 4096], "torch_ms": 0.9, "triton_ms": 0.8, "triton": True}}
-    kernels._write_verdict(path, {"chosen": [[12288, 4096]], "report": report})
+    policy._write_verdict(path, {"chosen": [[12288, 4096]], "report": report})
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
-    chosen, got = kernels._cached_gemv_choice(kernels._read_verdict(path), ["qkv"])
+    chosen, got = policy._cached_gemv_choice(policy._read_verdict(path), ["qkv"])
     assert chosen == {(12288, 4096)} and got["qkv"] == dict(report["qkv"], cached=True)
     # a verdict for other projections, or a torn file, is judged again (None), never trusted
-    assert kernels._cached_gemv_choice(kernels._read_verdict(path), ["qkv", "o_proj"]) is None
+    assert policy._cached_gemv_choice(policy._read_verdict(path), ["qkv", "o_proj"]) is None
     path.write_text('{"chosen": [[12288, 40')
-    assert kernels._read_verdict(path) is None and "judging again" in caplog.text
-    assert kernels._cached_gemv_choice({"chosen": "all", "report": {}}, ["qkv"]) is None
+    assert policy._read_verdict(path) is None and "judging again" in caplog.text
+    assert policy._cached_gemv_choice({"chosen": "all", "report": {}}, ["qkv"]) is None
 
 
 def test_kernel_verdict_that_cannot_be_written_is_not_kept(tmp_path, caplog):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache directory should be")
     caplog.set_level("INFO")
-    kernels._write_verdict(blocker / "coldstart-gemv-x.json", {"chosen": [], "report": {}})  # no exception
+    policy._write_verdict(blocker / "coldstart-gemv-x.json", {"chosen": [], "report": {}})  # no exception
     assert "not kept" in caplog.text and blocker.read_text().startswith("a file")
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
 
 
 def test_verdict_dir_follows_tritons_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    assert kernels.verdict_dir() == tmp_path
-    monkeypatch.setenv("COLDSTART_KERNEL_VERDICTS", "0")
-    assert kernels.verdict_dir() is None
+    assert policy.verdict_dir() == tmp_path
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path))
+    assert policy.verdict_dir() == tmp_path / ".triton" / "cache"
 
 
 @gpu
@@ -543,16 +546,16 @@ def test_gpu_gemv_choice_is_kept_and_found_again(monkeypatch, tmp_path):
     other shapes, or another margin, are judged anew."""
     _use_triton(monkeypatch)
     w = torch.randn(4096, 4096, dtype=torch.float16, device="cuda")
-    first, r1 = kernels.gemv_choice({"proj": [(w, None), (w, None)]}, keep=tmp_path)
+    first, r1 = policy.gemv_choice({"proj": [(w, None), (w, None)]}, keep=tmp_path)
     files = list(tmp_path.glob("coldstart-gemv-*.json"))
     assert len(files) == 1 and "cached" not in r1["proj"]
     timed = []
-    monkeypatch.setattr(kernels, "graph_ms", lambda *a, **k: timed.append(1) or 1.0)
-    again, r2 = kernels.gemv_choice({"proj": [(w, None), (w, None)]}, keep=tmp_path)
+    monkeypatch.setattr(policy, "graph_ms", lambda *a, **k: timed.append(1) or 1.0)
+    again, r2 = policy.gemv_choice({"proj": [(w, None), (w, None)]}, keep=tmp_path)
     assert again == first and r2["proj"]["cached"] and r2["proj"]["torch_ms"] == r1["proj"]["torch_ms"]
     assert timed == []
-    kernels.gemv_choice({"proj": [(w, None)]}, keep=tmp_path)  # one layer: another verdict
-    kernels.gemv_choice({"proj": [(w, None), (w, None)]}, margin=0.5, keep=tmp_path)
+    policy.gemv_choice({"proj": [(w, None)]}, keep=tmp_path)  # one layer: another verdict
+    policy.gemv_choice({"proj": [(w, None), (w, None)]}, margin=0.5, keep=tmp_path)
     assert timed and len(list(tmp_path.glob("coldstart-gemv-*.json"))) == 3
 
 
@@ -562,7 +565,7 @@ def test_gpu_gemv_choice_never_reads_the_weights(monkeypatch):
     verdict path (a timing, not an error)."""
     _use_triton(monkeypatch)
     w = torch.full((4096, 4096), float("nan"), dtype=torch.float16, device="cuda")
-    chosen, report = kernels.gemv_choice({"proj": [(w, None), (w, None)]})
+    chosen, report = policy.gemv_choice({"proj": [(w, None), (w, None)]})
     r = report["proj"]
     assert "error" not in r and r["torch_ms"] > 0 and r["triton_ms"] > 0
     assert (chosen == {(4096, 4096)}) == r["triton"]
@@ -573,10 +576,10 @@ def test_gpu_self_tests_pass_at_7b_sizes(monkeypatch):
     _use_triton(monkeypatch)
     dims = (4096, 11008, 32, 32, 128)
     times: dict[str, float] = {}
-    assert kernels.self_test(*dims, torch.float16, "cuda", times) is None
+    assert policy.self_test(*dims, torch.float16, "cuda", times) is None
     assert set(times) == {"wait", "triton", "torch"} and min(times["triton"], times["torch"]) > 0, times
     times.clear()
-    assert kernels.attention_self_test(*dims[2:], torch.float16, "cuda", times) is None
+    assert policy.attention_self_test(*dims[2:], torch.float16, "cuda", times) is None
     assert set(times) == {"triton", "torch"} and min(times.values()) > 0, times
 
 
@@ -586,13 +589,13 @@ def test_gpu_self_tests_passed_once_are_not_run_again_on_the_node(monkeypatch, t
     dims = (256, 512, 4, 2, 64)
     for first in (True, False):
         times: dict[str, float] = {}
-        assert kernels.self_test(*dims, torch.float16, "cuda", times, keep=tmp_path) is None
-        assert kernels.attention_self_test(*dims[2:], torch.float16, "cuda", times, keep=tmp_path) is None
+        assert policy.self_test(*dims, torch.float16, "cuda", times, keep=tmp_path) is None
+        assert policy.attention_self_test(*dims[2:], torch.float16, "cuda", times, keep=tmp_path) is None
         assert ("triton" in times) == first, times  # the second start compares nothing
     assert len(list(tmp_path.glob("coldstart-selftest-*.json"))) == 2
     # other sizes are another verdict: tested
     times = {}
-    assert kernels.self_test(512, 512, 4, 2, 64, torch.float16, "cuda", times, keep=tmp_path) is None
+    assert policy.self_test(512, 512, 4, 2, 64, torch.float16, "cuda", times, keep=tmp_path) is None
     assert "triton" in times
 
 
@@ -606,28 +609,28 @@ def test_kept_test_keeps_a_pass_never_a_failure(tmp_path, caplog):
 
     def passing() -> None:
         runs.append("p")
-    assert kernels.kept_test(path, failing) == "silu_mul differs from the torch reference by up to 0.5"
+    assert policy.kept_test(path, failing) == "silu_mul differs from the torch reference by up to 0.5"
     assert not path.exists()  # a failure is tested again at the next start
-    assert kernels.kept_test(path, failing) is not None and runs == ["f", "f"]
-    assert kernels.kept_test(path, passing) is None and path.exists()
-    assert kernels.kept_test(path, failing) is None and runs == ["f", "f", "p"]  # kept: not run
+    assert policy.kept_test(path, failing) is not None and runs == ["f", "f"]
+    assert policy.kept_test(path, passing) is None and path.exists()
+    assert policy.kept_test(path, failing) is None and runs == ["f", "f", "p"]  # kept: not run
     path.write_text("{not json")  # torn: tested again and rewritten
-    assert kernels.kept_test(path, passing) is None and runs[-1] == "p" and "judging again" in caplog.text
+    assert policy.kept_test(path, passing) is None and runs[-1] == "p" and "judging again" in caplog.text
     assert json.loads(path.read_text()) == {"passed": True}
     path.write_text('{"passed": false}')  # anything but a pass is no verdict
-    assert kernels.kept_test(path, failing) is not None and runs[-1] == "f"
-    assert kernels.kept_test(None, passing) is None and runs[-1] == "p"  # nowhere to keep: always run
+    assert policy.kept_test(path, failing) is not None and runs[-1] == "f"
+    assert policy.kept_test(None, passing) is None and runs[-1] == "p"  # nowhere to keep: always run
 
 
 def test_self_test_says_why_without_cuda():
-    why = kernels.self_test(64, 96, 4, 2, 16, torch.float32, "cpu")
+    why = policy.self_test(64, 96, 4, 2, 16, torch.float32, "cpu")
     assert why is not None and "not available" in why
 
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_decode_attention_reference_matches_the_models_attention(window):
     """The reference equals the model's batched-matmul decode attention (the torch path)."""
-    from deployments.model import Attention, ModelConfig
+    from deployments.model.llama import Attention, ModelConfig
 
     B, H, Hkv, Dh, T, L = 3, 8, 2, 16, 40, 32
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": H * Dh,
@@ -642,7 +645,7 @@ def test_decode_attention_reference_matches_the_models_attention(window):
     mask = torch.zeros(B, 1, 1, L).masked_fill(~allowed.view(B, 1, 1, L), float("-inf"))
     mask = mask.expand(B, Hkv, H // Hkv, L).reshape(-1, H // Hkv, L)
     want = attn._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, :L], vc[:B, :, :L], mask).view(B, H, Dh)
-    got = kernels.decode_attention(q, kc, vc, pos, L, window, Dh**-0.5)  # CPU: the reference
+    got = ops.decode_attention(q, kc, vc, pos, L, window, Dh**-0.5)  # CPU: the reference
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -660,7 +663,7 @@ def test_decode_attention_rejects_bad_inputs(kw, msg):
     if args["q"].shape[-1] != 16:
         args["k_cache"] = args["v_cache"] = torch.zeros(4, 2, 32, args["q"].shape[-1])
     with pytest.raises(ValueError, match=msg):
-        kernels.decode_attention(**args)
+        ops.decode_attention(**args)
 
 
 @gpu
@@ -671,107 +674,47 @@ def test_gpu_decode_attention_matches_reference(monkeypatch, case, dtype):
     _use_triton(monkeypatch)
     B, H, Hkv, Dh, T, kv_len, window = case
     q, kc, vc, pos = _attn_inputs(B, H, Hkv, Dh, T, kv_len, dtype, device="cuda")
-    out = kernels.decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
-    ref = kernels._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
+    out = ops.decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
+    ref = ops._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
 def test_attention_self_test_says_why():
-    assert "not available" in kernels.attention_self_test(4, 2, 16, torch.float32, "cpu")
+    assert "not available" in policy.attention_self_test(4, 2, 16, torch.float32, "cpu")
 
 
-def test_head_start_fills_tritons_per_process_caches():
+def test_triton_setup_fills_tritons_per_process_caches():
     """The side thread computes what Triton's first compile needs before it can look in its
-    cache (the hash of its own library); once per process, waited for by the self-tests.
-    In a process of its own: the test process does not import Triton."""
+    cache (the hash of its own library), without patching Triton. In a process of its own: the
+    test process does not import Triton."""
     pytest.importorskip("triton")
-    code = ("from deployments import head_start; t = head_start.start('cuda'); "
-            "again = head_start.start('cuda'); head_start.wait(); "
+    code = ("from deployments.startup import triton_setup; t = triton_setup.start('cuda').wait(); "
             "from triton.runtime.cache import triton_key; "
-            "print(t.name, again is None, t.is_alive(), triton_key.cache_info().currsize)")
+            "print(t.name, t.done(), triton_key.cache_info().currsize, triton_key.__module__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "COLDSTART_KERNEL_VERDICTS": "0"})
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["triton-head-start", "True", "False", "1"]
+    assert out.stdout.split() == ["triton-setup", "True", "1", "triton.runtime.cache"]
 
 
-def test_tritons_key_is_kept_per_node(tmp_path):
-    """The second process takes Triton's key from the file the first one left beside the
-    kernel cache, equal to what Triton computes; a torn file is made anew; with kept
-    verdicts off, Triton computes its own. In processes of their own (see above)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    code = ("import json; from deployments import head_start; from triton.runtime import cache; "
-            "k = head_start.kept_triton_key(); "
-            "print(json.dumps([k, getattr(cache.triton_key, 'kept', False), cache.triton_key() == k]))")
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("COLDSTART_KERNEL_VERDICTS", None)
-
-    def run(extra: dict | None = None) -> list:
-        out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=120, env={**env, **(extra or {})})
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    real = run({"COLDSTART_KERNEL_VERDICTS": "0"})  # Triton's own, nothing kept
-    assert real[1:] == [False, True] and not (tmp_path / "cache").exists()
-    real = real[0]
-    assert run() == [real, False, True]  # computed, and kept
-    files = list((tmp_path / "cache").glob("coldstart-triton-key-*.txt"))
-    assert len(files) == 1 and files[0].read_text() == real
-    assert run() == [real, True, True]  # taken from the file
-    files[0].write_text(real[:10])  # torn
-    assert run() == [real, False, True] and files[0].read_text() == real
-
-
-def test_tritons_kept_key_is_named_by_every_file_it_hashes(tmp_path):
-    """A Triton-like tree: its signature changes with the library, a source, or cache.py;
-    a tree without the library has none (Triton's own key is used)."""
-    from deployments.head_start import _key_signature
-
-    for rel in ("_C/libtriton.so", "runtime/cache.py", "compiler/compiler.py", "backends/nvidia/driver.py",
-                "language/core.py", "language/notes.txt"):
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(rel)
-    sig = _key_signature(str(tmp_path))
-    assert sig and _key_signature(str(tmp_path)) == sig
-    seen = {sig}
-    for rel in ("_C/libtriton.so", "runtime/cache.py", "compiler/compiler.py", "backends/nvidia/driver.py",
-                "language/core.py"):
-        f = tmp_path / rel
-        st = f.stat()
-        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-        now = _key_signature(str(tmp_path))
-        assert now not in seen, rel
-        seen.add(now)
-    (tmp_path / "language" / "notes.txt").write_text("not hashed by Triton")
-    assert _key_signature(str(tmp_path)) in seen
-    (tmp_path / "_C" / "libtriton.so").unlink()
-    assert _key_signature(str(tmp_path)) is None
-
-
-def test_head_start_only_where_triton_will_run(monkeypatch):
-    from deployments import head_start
-    monkeypatch.setattr(head_start, "_THREADS", [])
-    assert head_start.start("cpu") is None
+def test_triton_setup_only_where_triton_will_run(monkeypatch):
+    from deployments.startup import triton_setup
+    assert triton_setup.start("cpu") is None
     monkeypatch.setenv("COLDSTART_TRITON", "0")
-    assert head_start.start("cuda") is None and not head_start.wanted("cuda:1")
+    assert triton_setup.start("cuda") is None and not triton_setup.wanted("cuda:1")
     monkeypatch.delenv("COLDSTART_TRITON")
-    assert head_start.wanted("cuda:1") and head_start.wanted("auto") == os.path.exists("/dev/nvidiactl")
-    head_start.wait()  # nothing to wait for
+    assert triton_setup.wanted("cuda:1") and triton_setup.wanted("auto") == os.path.exists("/dev/nvidiactl")
 
 
 @gpu
-def test_gpu_head_start_makes_tritons_driver(monkeypatch):
+def test_gpu_triton_setup_makes_tritons_driver(monkeypatch):
     """The driver object (its C helper module, the platform key) is made on the side
     thread, so the first self-test on the main thread finds it."""
     from triton.runtime.driver import driver
 
-    from deployments import head_start
-    monkeypatch.setattr(head_start, "_THREADS", [])
+    from deployments.startup import triton_setup
     monkeypatch.setattr(driver, "_default", None)
     monkeypatch.setattr(driver, "_active", None)
-    head_start.start("cuda")
-    head_start.wait()
+    task = triton_setup.start("cuda").wait()
+    assert task.error is None
     assert driver._active is not None and driver._default is driver._active

@@ -15,7 +15,7 @@ from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOpti
                      load, pack, read_packed)
 from weights.checksum import chunk_sums
 from weights.format import PREAMBLE_BYTES
-from deployments.doctor import drop_page_cache
+from deployments.tools.doctor import drop_page_cache
 from weights.loader import PendingLoad, check_fits, start_load
 
 
@@ -64,11 +64,11 @@ def test_check_fits_message():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(threads=0), "threads=0 must be at least 1"),
+    (dict(threads=0), "threads\n  Input should be greater than or equal to 1"),
     (dict(read_bytes=1000), "read_bytes=1000 must be a positive multiple of 4096"),
-    (dict(slots_per_thread=0), "slots_per_thread=0 must be at least 1"),
+    (dict(slots_per_thread=0), "slots_per_thread\n  Input should be greater than or equal to 1"),
     (dict(cold_read_bytes=5000), "cold_read_bytes=5000 must be a positive multiple of 4096"),
-    (dict(cold_threads=0), "cold_threads=0 must be at least 1"),
+    (dict(cold_threads=0), "cold_threads\n  Input should be greater than or equal to 1"),
 ])
 def test_load_options_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -397,7 +397,7 @@ def test_trickle_reads_the_file_one_piece_at_a_time_and_stops(tmp_path):
 
 
 def test_expandable_segments_setting_is_read_from_either_variable():
-    from weights.loader import expandable_segments_on
+    from weights.segments import expandable_segments_on
     assert expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     assert expandable_segments_on({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"})
     assert not expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
@@ -437,7 +437,7 @@ ONE_SEGMENT_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from weights.loader import one_segment
+from weights.segments import one_segment
 dev = torch.device("cuda", 0)
 with one_segment(dev):
     big = torch.zeros(64 << 20, dtype=torch.uint8, device=dev)

@@ -144,7 +144,7 @@ def test_engine_modules_do_not_import_transformers():
     root = Path(__file__).resolve().parents[1]
     code = (
         "import sys, torch;"
-        "import deployments.model, deployments.engine, deployments.tokenizer;"
+        "import deployments.model, deployments.engine.engine, deployments.engine.tokenizer;"
         "print([m for m in ('transformers','ray','jinja2') if m in sys.modules])"
     )
     # (the import time itself is measured in bench/engine.py, not asserted here)
@@ -233,7 +233,7 @@ def _engine_greedy_equals_transformers(model, hf) -> None:
 
 
 def test_adjacent_view_refuses_tensors_that_are_not_back_to_back():
-    from deployments.model import adjacent_view
+    from deployments.model.fused import adjacent_view
 
     buf = torch.arange(24, dtype=torch.float32)
     a, b = buf[:8].view(2, 4), buf[8:16].view(2, 4)
@@ -253,26 +253,30 @@ def test_triton_decode_path_matches_transformers_on_the_gpu(case, mode, tmp_path
     attention and the GEMV for every step (triton), where measured faster (auto) or never
     (torch)) inside CUDA graphs give transformers' greedy tokens, and the same logits as
     the torch path."""
-    from deployments import kernels
+    import dataclasses
+
+    from deployments.kernels import ops
+    from deployments.kernels.policy import KernelPlan
+    from deployments.model.build import gemv_groups
     from weights import PackOptions, load, pack
 
     pytest.importorskip("triton")
-    monkeypatch.setenv("COLDSTART_DECODE_ATTENTION", mode)
-    monkeypatch.setenv("COLDSTART_GEMV", mode)
-    attention = mode != "torch"
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
     hf.save_pretrained(tmp_path / "hf")
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
     model = build_model(m.config, m.tensors)
-    assert model.use_kernels and kernels.available("cuda") and model.use_attention_kernel == attention
-    assert (len(model.gemv_shapes) >= 4) if mode == "triton" else (model.gemv_shapes == frozenset()
-                                                                  if mode == "torch" else True)
+    assert model.kernels.fused and ops.available("cuda") and model.kernels.attention
+    shapes = frozenset(tuple(pairs[0][0].shape) for pairs in gemv_groups(model).values())
+    if mode != "auto":  # every projection through the GEMV and the Triton attention, or neither
+        model.kernels = dataclasses.replace(model.kernels, attention=mode == "triton",
+                                            gemv=shapes if mode == "triton" else frozenset())
     tokens = torch.randint(0, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(2)).cuda()
     fused = model(tokens)
-    model.use_kernels = False
+    plan = model.kernels
+    model.kernels = KernelPlan()
     torch.testing.assert_close(fused, model(tokens), atol=1e-4, rtol=1e-4)
-    model.use_kernels = True
+    model.kernels = plan
     _engine_greedy_equals_transformers(model, hf)
 
 
@@ -290,7 +294,8 @@ def test_attention_kernel_serves_every_decode_step_with_one_key_bound(heads, tmp
     buckets = (512, 2048, 4096)
     assert not model.attention_kernel()  # not enabled (CPU)
     assert model.decode_kv_lens(buckets) == buckets
-    model.use_attention_kernel = model.use_kernels = True  # (on CPU the kernels' torch references run)
+    from deployments.kernels.policy import KernelPlan
+    model.kernels = KernelPlan(fused=True, attention=True)  # (on CPU the kernels' torch references run)
     assert model.attention_kernel()
     assert model.decode_kv_lens(buckets) == (4096,)
     model.model.layers[1].self_attn.qkv_w = None  # a layer whose q, k, v are apart: the matmuls
@@ -313,7 +318,7 @@ def test_one_graph_per_batch_size_where_the_attention_reads_to_each_position(hea
     hf.save_pretrained(tmp_path / "hf")
     m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cuda")
     model = build_model(m.config, m.tensors)
-    assert model.use_attention_kernel
+    assert model.kernels.attention
     eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, prefill_chunk=16, kv_len_buckets=(24, 48),
                                            lazy_graphs=lazy))
     eng.start()
@@ -336,33 +341,20 @@ def test_one_graph_per_batch_size_where_the_attention_reads_to_each_position(hea
 def test_model_decodes_with_torch_kernels_when_triton_fails(monkeypatch, caplog):
     """A Triton that cannot compile (no C compiler in the image, say) must not stop the
     replica: the self-test at build time catches it and the torch path serves."""
-    from deployments import kernels
+    from deployments.kernels import ops
 
     def no_compiler(*a, **k):
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
-    monkeypatch.setattr(kernels, "available", lambda device: True)
-    monkeypatch.setattr(kernels, "_launch_add_rms_norm", no_compiler)
+    monkeypatch.setattr(ops, "available", lambda device: True)
+    monkeypatch.setattr(ops, "_launch_add_rms_norm", no_compiler)
     hf, cfg = hf_model("llama")
-    with caplog.at_level("WARNING", logger="deployments.model"):
+    with caplog.at_level("WARNING", logger="deployments.kernels.policy"):
         model = build_model(cfg, state_tensors(hf))
-    assert not model.use_kernels
+    assert not model.kernels.fused
     assert "fused Triton kernels off (RuntimeError: Failed to find C compiler" in caplog.text
     tokens = torch.randint(0, cfg["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(model(tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("value, mode", [(None, "auto"), ("torch", "torch"), ("triton", "triton"), ("fast", "auto")])
-def test_kernel_mode_reads_the_env_and_warns_on_a_bad_value(value, mode, monkeypatch, caplog):
-    from deployments.model import kernel_mode
-
-    if value is None:
-        monkeypatch.delenv("COLDSTART_GEMV", raising=False)
-    else:
-        monkeypatch.setenv("COLDSTART_GEMV", value)
-    with caplog.at_level("WARNING", logger="deployments.model"):
-        assert kernel_mode("COLDSTART_GEMV") == mode
-    assert ("COLDSTART_GEMV='fast' is not one of auto, triton, torch" in caplog.text) == (value == "fast")
 
 
 def test_a_model_built_before_its_weights_arrived_serves_the_arrived_ones(tmp_path):

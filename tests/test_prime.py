@@ -1,4 +1,4 @@
-"""deployments.prime: the engine's code paths run once through a small model, on a side thread."""
+"""deployments.startup.prime: the engine's code paths run once through a small model, on a side thread."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments import prime
+from deployments.startup import prime
 from deployments.model import ModelConfig
 from tests.conftest import gpu
 
@@ -23,15 +23,6 @@ MISTRAL = {"architectures": ["MistralForCausalLM"], "hidden_size": 64, "intermed
            "sliding_window": 8, "head_dim": 32, "tie_word_embeddings": True,
            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 128}}
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    """prime runs once per process; each test starts as a fresh process would."""
-    prime._STATE.clear()
-    yield
-    prime.wait()
-    prime._STATE.clear()
 
 
 @pytest.mark.parametrize("config", [LLAMA, QWEN2, MISTRAL], ids=["llama-gqa", "qwen2-bias-window", "mistral-rope"])
@@ -61,7 +52,7 @@ def test_run_imports_nothing_heavy():
     import subprocess
     import sys
 
-    code = ("import sys, torch; from deployments import prime; from tests.test_prime import LLAMA; "
+    code = ("import sys, torch; from deployments.startup import prime; from tests.test_prime import LLAMA; "
             "prime.run(LLAMA, 'cpu', torch.float16); "
             "print([m for m in ('sympy', 'torch._dynamo', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -69,39 +60,12 @@ def test_run_imports_nothing_heavy():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_the_env_picks_the_steps(monkeypatch, caplog):
-    monkeypatch.delenv("COLDSTART_PRIME", raising=False)
-    assert prime.chosen_steps() == prime.STEPS
-    monkeypatch.setenv("COLDSTART_PRIME", "decode_1, decode_2")
-    assert prime.chosen_steps() == ("decode_1", "decode_2")
-    monkeypatch.setenv("COLDSTART_PRIME", "decode_3")
-    with caplog.at_level(logging.WARNING, logger="deployments.prime"):
-        assert prime.chosen_steps() == prime.STEPS
-    assert "decode_3" in caplog.text and "decode_1, decode_2" in caplog.text
-
-
-def test_run_times_each_chosen_step():
-    steps: dict = {}
-    prime.run(LLAMA, "cpu", torch.float32, steps, ("decode_2", "sample"))
-    assert list(steps) == ["model", "decode_2", "sample"] and all(v >= 0 for v in steps.values())
-
-
-def test_nothing_starts_on_the_cpu_or_when_turned_off(monkeypatch):
-    assert prime.start(LLAMA, torch.device("cpu"), torch.float32) is None
-    assert prime.wait() is None
-    monkeypatch.setenv("COLDSTART_PRIME", "0")
-    assert not prime.wanted(torch.device("cuda"))
-    assert prime.start(LLAMA, torch.device("cuda"), torch.float16) is None
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA cannot run")
 def test_a_prime_that_fails_is_logged_and_never_raises(caplog):
-    with caplog.at_level(logging.WARNING, logger="deployments.prime"):
-        t = prime.start(LLAMA, torch.device("cuda"), torch.float16)
-        assert t is not None
-        assert prime.wait() is None  # failed: no seconds
-    assert "priming the engine's kernels failed" in caplog.text
-    assert prime.start(LLAMA, torch.device("cuda"), torch.float16) is None  # once per process
+    with caplog.at_level(logging.WARNING, logger="deployments.startup.side"):
+        task = prime.start(LLAMA, torch.device("cuda"), torch.float16).wait()
+    assert task.result is None and task.error is not None  # failed: no seconds, nothing raised
+    assert "engine-prime failed" in caplog.text
 
 
 @gpu
@@ -110,12 +74,10 @@ def test_gpu_primed_replica_serves_what_an_unprimed_one_serves(tiny_packed, monk
 
     runs = {}
     for flag in ("0", "1"):
-        prime._STATE.clear()
         monkeypatch.setenv("COLDSTART_PRIME", flag)
-        runs[flag] = _gpu_replica_run(tiny_packed, stats=True)
+        runs[flag] = _gpu_replica_run(tiny_packed)
     assert runs["1"][0] == runs["0"][0]
-    assert runs["0"][2]["prime_s"] is None
-    assert runs["1"][2]["prime_s"] > 0 and runs["1"][2]["prime_wait_s"] >= 0
+    assert "engine_prime_wait" not in runs["0"][1] and runs["1"][1]["engine_prime_wait"] >= 0
 
 
 @gpu
@@ -126,9 +88,7 @@ def test_gpu_prime_waits_for_its_own_work_only():
     other = torch.cuda.Stream()
     with torch.cuda.stream(other):
         torch.cuda._sleep(10_000_000_000)  # 10^10 cycles: 5 s at 2 GHz
-    steps: dict = {}
-    prime.run(LLAMA, "cuda", torch.float16, steps)
+    prime.run(LLAMA, "cuda", torch.float16)
     busy = not other.query()
     other.synchronize()
     assert busy, "the prime waited for another stream's work"
-    assert set(steps) == {"model", *prime.STEPS}

@@ -92,7 +92,7 @@ def _coldstart_serve(tmp_path: Path, *args: str):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", *args], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.tools.cli", "serve", *args], cwd=tmp_path, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc

@@ -1,17 +1,26 @@
-"""The serving class without Ray: HTTP shapes, validation, warm-up and health."""
+"""The replica without Ray: its HTTP front, validation, warm-up and health."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from deployments.config import DeploymentArgs, WarmupPlan
 from conftest import gpu
-from deployments.server import LLMServer, NotWarm, _start_trickle
+from deployments.config import DeploymentArgs, UserConfig, parse
+from deployments.server.http import build
+from deployments.server.replica import LLMServer, NotWarm
+from deployments.server.start import Start
 from weights import LoadOptions
+from weights.timing import PhaseTimer
+
+
+def _start_trickle(d, gpu: bool, opts: LoadOptions) -> bool:
+    """Whether a replica of ``d`` with load options ``opts`` starts its trickle (its first step)."""
+    start = Start(DeploymentArgs(model=str(d), device="cuda" if gpu else "cpu", load=opts), PhaseTimer())
+    start.imports()
+    return start.trickling
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +33,14 @@ def server(tiny_packed):
 
 @pytest.fixture(scope="module")
 def client(server):
-    async def asgi(scope, receive, send):
-        resp = await server(Request(scope, receive))
-        await resp(scope, receive, send)
     server.reconfigure({"warmup": {"requests": 1, "batch_sizes": [1, 2]}})
-    return TestClient(asgi)
+    return TestClient(build(server))
 
 
 def test_cold_replica_answers_503_and_fails_health(tiny_packed):
     s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
     try:
-        async def asgi(scope, receive, send):
-            resp = await s(Request(scope, receive))
-            await resp(scope, receive, send)
-        c = TestClient(asgi)
+        c = TestClient(build(s))
         r = c.post("/generate", json={"prompt": "hi"})
         assert r.status_code == 503 and r.headers["retry-after"] == "5"
         assert "warming up" in r.json()["error"]["message"]
@@ -58,7 +61,7 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
     when they are cached already."""
     import shutil
 
-    from deployments.doctor import drop_page_cache
+    from deployments.tools.doctor import drop_page_cache
     from weights import readahead
 
     d = tmp_path / "m"
@@ -83,7 +86,7 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
 def test_the_trickle_reads_pieces_of_the_size_asked(tiny_packed, tmp_path):
     import shutil
 
-    from deployments.doctor import drop_page_cache
+    from deployments.tools.doctor import drop_page_cache
     from weights import readahead
 
     d = tmp_path / "m"
@@ -103,8 +106,7 @@ def test_the_trickle_reads_pieces_of_the_size_asked(tiny_packed, tmp_path):
 def test_startup_phases_recorded(server):
     phases = server.timer.as_dict()
     for name in ("imports", "context", "open", "verify", "load", "engine", "constructor", "engine_model",
-                 "engine_model_assemble", "engine_model_kernel_test", "engine_model_gemv_choice",
-                 "engine_tokenizer", "engine_kv_cache", "engine_graphs"):
+                 "engine_model_assemble", "engine_tokenizer", "engine_kv_cache", "engine_graphs"):
         assert name in phases, name
     # the native model's build steps are parts of engine_model
     steps = sum(v for k, v in phases.items() if k.startswith("engine_model_"))
@@ -184,7 +186,10 @@ def test_chat_streams_sse_with_done(client):
     ("/generate", b"not json", 400, "not valid JSON"),
     ("/generate", b"[1, 2]", 400, "must be a JSON object"),
     ("/generate", b"", 400, "request body is empty"),
-    ("/generate", {"max_new_tokens": 3}, 400, "field 'prompt' must be a non-empty string"),
+    ("/generate", {"max_new_tokens": 3}, 400, "field 'prompt' is required: a non-empty string"),
+    ("/generate", {"prompt": ""}, 400, "field 'prompt' must be a non-empty string"),
+    ("/generate", {"prompt": "x", "stop_token_ids": 0}, 400, "field 'stop_token_ids' must be a list, got 0"),
+    ("/generate", {"prompt": "x", "stop_token_ids": {}}, 400, "field 'stop_token_ids' must be a list, got {}"),
     ("/generate", {"prompt": "x", "temprature": 0.5}, 400, "unknown field(s) temprature"),
     ("/generate", {"prompt": "x", "temperature": "hot"}, 400, "field 'temperature' must be a number"),
     ("/generate", {"prompt": "x", "top_p": 0}, 400, "field 'top_p' must be in (0, 1]"),
@@ -214,13 +219,13 @@ def test_chat_streams_sse_with_done(client):
      "field 'prompt' is not valid Unicode text: a lone surrogate (\\ud800) at character 3"),
     ("/v1/completions", b'{"prompt": "\\udc00x"}', 400, "field 'prompt' is not valid Unicode text"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud83d"}]}', 400,
-     "messages[0].content is not valid Unicode text"),
-    ("/generate", b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "field 'stop' is not valid Unicode text"),
+     "field 'messages[0].content' is not valid Unicode text"),
+    ("/generate", b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "field 'stop[0]' is not valid Unicode text"),
     ("/generate", {"prompt": "x", "seed": 1 << 70}, 400, "field 'seed' must be None or an int in [0, 2**64)"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "field 'presence_penalty'=0.5 is not supported"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400, "field 'logit_bias'"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
-     "messages[0].content[0].text must be a string, got 5"),
+     "field 'messages[0].content' must be a string or a list of text parts, got [{\"type\": \"text\", \"text\": 5}]"),
     # text no context could hold is refused before it is tokenized (max_seq_len=256: 16,384 characters)
     ("/generate", {"prompt": "a" * 16385}, 400,
      "field 'prompt' is 16,385 characters, more than a context of 256 tokens takes (16,384: 64 per token)"),
@@ -268,7 +273,7 @@ def test_a_body_larger_than_any_request_needs_is_refused_unread(client):
 def test_long_text_is_tokenized_off_the_event_loop_into_the_same_ids(client, server):
     """Text above TOKENIZE_INLINE_CHARS goes through a worker thread (prompt and chat template):
     the engine is handed the same ids, here counted in its refusal of a prompt too long."""
-    from deployments.server import TOKENIZE_INLINE_CHARS
+    from deployments.server.responses import TOKENIZE_INLINE_CHARS
 
     prompt = "word " * 2000
     assert TOKENIZE_INLINE_CHARS < len(prompt) <= 256 * 64
@@ -328,10 +333,7 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
 
     s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 1024})
 
-    async def asgi(scope, receive, send):
-        resp = await s(Request(scope, receive))
-        await resp(scope, receive, send)
-    c = TestClient(asgi)
+    c = TestClient(build(s))
     try:
         s.reconfigure({"warmup": {"requests": 1}})
         out: dict = {}
@@ -369,7 +371,7 @@ def test_a_fault_of_the_server_itself_is_a_500_that_says_so_and_the_replica_goes
 
     def broken(prompt: str) -> list[int]:
         raise TypeError("encode broke")
-    monkeypatch.setattr(server, "_encode", broken)
+    monkeypatch.setattr(server.tokenizer, "encode", broken)
     r = client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2})
     assert r.status_code == 500 and r.headers["x-coldstart-replica"]
     assert "internal error (TypeError: encode broke)" in r.json()["error"]["message"]
@@ -411,32 +413,34 @@ def test_stats_count_requests(client):
 
 
 @pytest.mark.parametrize("uc, msg", [
-    ({"warmup": {"requests": -1}}, "warmup.requests must be >= 0"),
-    ({"warmup": {"prompt_fraction": 2}}, "warmup.prompt_fraction must be in (0, 1]"),
-    ({"warmup": {"batch_sizes": [0]}}, "warmup.batch_sizes must be positive"),
-    ({"warmup": {"tokens": 3}}, "user_config.warmup: unknown field(s) tokens"),
-    ({"warmup": {"decode_tokens": "8"}}, "user_config.warmup.decode_tokens must be int, got str"),
-    ({"warm_up": {}}, "user_config: unknown field(s) warm_up"),
+    ({"warmup": {"requests": -1}}, "user_config.warmup.requests must be >= 0, got -1"),
+    ({"warmup": {"prompt_fraction": 2}}, "user_config.warmup.prompt_fraction must be <= 1.0, got 2"),
+    ({"warmup": {"batch_sizes": [0]}}, "user_config.warmup.batch_sizes: must be positive ints, got [0]"),
+    ({"warmup": {"tokens": 3}}, "user_config.warmup: unknown field 'tokens'; known: batch_sizes, decode_tokens"),
+    ({"warmup": {"decode_tokens": "8"}}, "user_config.warmup.decode_tokens must be int, got str '8'"),
+    ({"warm_up": {}}, "user_config: unknown field 'warm_up'; known: warmup"),
 ])
 def test_bad_user_config(uc, msg):
     with pytest.raises(ValueError) as e:
-        WarmupPlan.from_user_config(uc)
+        parse(UserConfig, uc, "user_config")
     assert msg in str(e.value)
 
 
 @pytest.mark.parametrize("args, msg", [
-    ({"modle": "x"}, "args: unknown field(s) modle"),
-    ({"device": "tpu"}, "args.device must be auto, cpu, cuda or cuda:N"),
-    ({"engine": 3}, "args.engine must be dict, got int"),
+    ({"modle": "x"}, "args: unknown field 'modle'; known: device, engine"),
+    ({"device": "tpu"}, "args.device: must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    ({"engine": 3}, "args.engine must be an object, got int 3"),
+    ({"engine": {"max_slot": 8}}, "args.engine: unknown field 'max_slot'; known: cuda_graphs"),
+    ({"http": {"body_timeout_s": 0}}, "args.http.body_timeout_s must be > 0.0, got 0"),
 ])
 def test_bad_args(args, msg):
     with pytest.raises(ValueError) as e:
-        DeploymentArgs.from_dict(args)
-    assert msg in str(e.value)
+        parse(DeploymentArgs, args, "args")
+    assert msg in str(e.value) and "docs/configuration.md" in str(e.value)
 
 
 def test_bad_engine_and_load_options_name_the_field(tiny_packed):
-    with pytest.raises(ValueError, match=r"args.engine: unknown field\(s\) slots"):
+    with pytest.raises(ValueError, match=r"args.engine: unknown field 'slots'"):
         LLMServer(str(tiny_packed), engine={"slots": 3})
     with pytest.raises(ValueError, match=r"args.load.threads must be int, got str"):
         LLMServer(str(tiny_packed), load={"threads": "many"})
@@ -450,10 +454,7 @@ def test_missing_model_dir_says_how_to_make_one(tmp_path):
 def test_fault_injection_fails_health_and_requests_get_503(tiny_packed):
     s = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128}, fault_injection=True)
 
-    async def asgi(scope, receive, send):
-        resp = await s(Request(scope, receive))
-        await resp(scope, receive, send)
-    c = TestClient(asgi)
+    c = TestClient(build(s))
     s.reconfigure({"warmup": {"requests": 1}})
     s.check_health()
     assert c.post("/admin/fault", json={"kind": "engine_stop"}).status_code == 200
@@ -466,15 +467,15 @@ def test_fault_injection_fails_health_and_requests_get_503(tiny_packed):
 # ---- GPU: run on the GPU machine ----
 
 def _greedy(server, prompt: str = "The answer is ", n: int = 12) -> list[int]:
-    from deployments.request import SamplingParams
+    from deployments.engine.request import SamplingParams
     return server.engine.generate(server.tokenizer.encode(prompt),
                                   SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))[0]
 
 
-def _gpu_replica_run(path, stats: bool = False) -> tuple:
+def _gpu_replica_run(path, stats: bool = False, start: type = Start) -> tuple:
     """A GPU replica of ``path`` started, warmed and shut down: (its greedy output, its phases),
     and its engine's stats with ``stats``."""
-    s = LLMServer(str(path), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
+    s = LLMServer(str(path), device="cuda", engine={"max_slots": 2, "max_seq_len": 128}, start=start)
     try:
         s.reconfigure({"warmup": {"requests": 1}})
         return (_greedy(s), s.timer.as_dict()) + ((s.engine.stats(),) if stats else ())
@@ -486,13 +487,15 @@ def _gpu_replica_run(path, stats: bool = False) -> tuple:
 def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(tiny_packed, monkeypatch):
     """By default a GPU replica builds its engine (kernel self-tests, CUDA graphs) while the
     weights' bytes arrive; it must then serve exactly what a replica that waited serves."""
-    runs = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("COLDSTART_BUILD_DURING_LOAD", flag)
-        runs[flag] = _gpu_replica_run(tiny_packed)
-    assert runs["1"][0] == runs["0"][0]
-    assert "load_wait" in runs["1"][1] and "load_wait" not in runs["0"][1]
-    assert runs["1"][1]["load"] > 0 and runs["0"][1]["load"] > 0
+    class Sequential(Start):
+        def alloc(self) -> None:
+            super().alloc()
+            self.overlap = False  # as for a model served through transformers
+    runs = {"overlap": _gpu_replica_run(tiny_packed), "sequential": _gpu_replica_run(tiny_packed, start=Sequential)}
+    assert runs["overlap"][0] == runs["sequential"][0]
+    assert "load_wait" in runs["overlap"][1] and "load_first" not in runs["overlap"][1]
+    assert "load_first" in runs["sequential"][1] and "load_wait" not in runs["sequential"][1]
+    assert runs["overlap"][1]["load"] > 0 and runs["sequential"][1]["load"] > 0
 
 
 @gpu
@@ -525,7 +528,7 @@ def test_gpu_cold_replica_trickles_holds_its_load_and_serves_the_same(tiny_packe
     waits for the engine's build (load_held), and it serves what a warm replica serves."""
     import shutil
 
-    from deployments.doctor import drop_page_cache
+    from deployments.tools.doctor import drop_page_cache
     from weights import readahead
 
     d = tmp_path / "m"

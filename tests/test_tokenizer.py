@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from deployments.tokenizer import Tokenizer
+from deployments.engine.tokenizer import Tokenizer
 from helpers_engine import write_tokenizer_dir
 
 TEMPLATE = (
@@ -109,7 +109,7 @@ def test_jinja2_is_imported_lazily(tok_dir):
     import subprocess
 
     code = (
-        "import sys; from deployments.tokenizer import Tokenizer;"
+        "import sys; from deployments.engine.tokenizer import Tokenizer;"
         f"t = Tokenizer.from_dir({str(tok_dir)!r}); t.encode('hi');"
         "a = 'jinja2' in sys.modules; t.apply_chat_template([{'role': 'user', 'content': 'x'}]);"
         "print(a, 'jinja2' in sys.modules)"

@@ -20,21 +20,19 @@ except that verification (on by default) reads every chunk once.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable
 
 import numpy as np
 import torch
 
 from . import checksum, readahead
+from .segments import one_segment
 from .format import DTYPES, PackedFile, PackedFormatError, read_json, read_packed
 from .options import LoadOptions
 from .timing import PhaseTimer
@@ -247,53 +245,6 @@ def _load_cpu(packed: PackedFile, opts: LoadOptions, timer: PhaseTimer) -> torch
     return buffer
 
 
-def _alloc_conf(env: Mapping[str, str]) -> str:
-    """The allocator settings torch read: PYTORCH_ALLOC_CONF (torch >= 2.9), else
-    PYTORCH_CUDA_ALLOC_CONF (the doctor's env check reads them alike, without importing this)."""
-    return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-
-
-_EXPANDABLE_ON = re.compile(r"expandable_segments\s*:\s*true", re.IGNORECASE)
-
-
-def expandable_segments_on(env: Mapping[str, str] | None = None) -> bool:
-    """Whether torch's caching allocator was told to use expandable segments (the deployment's
-    allocator settings have ``expandable_segments:True``)."""
-    return bool(_EXPANDABLE_ON.search(_alloc_conf(os.environ if env is None else env)))
-
-
-@contextlib.contextmanager
-def one_segment(device: torch.device) -> Iterator[None]:
-    """Allocate the tensors made inside as plain device segments even where the allocator uses
-    expandable segments, then put the settings back.
-
-    Expandable segments keep the many activations of varying sizes from fragmenting memory,
-    but they map a tensor's memory piece by piece: on an H200 host, a 7B's 32 GiB KV cache took
-    0.10-0.12 s to allocate and zero with them and 0.017 s as one plain segment, its 13.5 GB
-    weights' buffer 0.027-0.031 s and 0.0007 s (bench/results/runs/kv-alloc.json). The weights'
-    buffer and the KV cache are made once and never grow, so they gain nothing from
-    expandable segments. The deployment's whole settings string is given both times, with only
-    expandable_segments changed inside (torch resets the options a settings string leaves
-    out). Does nothing on the CPU, where they are off, or where this torch cannot change the
-    settings at run time."""
-    conf = _alloc_conf(os.environ)
-    setter = None
-    if device.type == "cuda" and _EXPANDABLE_ON.search(conf):
-        setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-                  or getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None))
-    if setter is not None:
-        try:
-            setter(_EXPANDABLE_ON.sub("expandable_segments:False", conf))
-        except (RuntimeError, ValueError) as e:
-            log.info("allocator settings not changed at run time (%s): expandable segments stay on", e)
-            setter = None
-    try:
-        yield
-    finally:
-        if setter is not None:
-            setter(conf)
-
-
 def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
                 timer: PhaseTimer) -> tuple[torch.Tensor, Callable[[], None]]:
     """Allocate the device buffer (after checking it fits); return it and the work that
@@ -342,8 +293,8 @@ def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:
         return opts
     log.info("%.0f%% of %s is in the page cache: reading it from disk with %d threads x %d MiB",
              100 * frac, packed.path, opts.cold_threads, opts.cold_read_bytes >> 20)
-    return dataclasses.replace(opts, threads=opts.cold_threads, read_bytes=opts.cold_read_bytes,
-                               direct_io=opts.direct_io or opts.cold_direct_io)
+    return opts.model_copy(update={"threads": opts.cold_threads, "read_bytes": opts.cold_read_bytes,
+                                   "direct_io": opts.direct_io or opts.cold_direct_io})
 
 
 _RT: list = []

@@ -1,66 +1,53 @@
-"""``LoadOptions``: the GPU load path's settings. Imports no torch, so a replica can read and
-check them before its imports (``deployments.server.LLMServer`` decides on its trickle from
+"""``LoadOptions``: the load path's settings (``args.load`` in serve_config.yaml). Imports no
+torch, so a replica can read and check them before its imports (it decides on its trickle from
 them before ``import torch``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-@dataclass(frozen=True)
-class LoadOptions:
-    """Tuning of the GPU load path (defaults measured on an H200 host, see bench/).
+class LoadOptions(BaseModel):
+    """How a packed model is read onto the device. Unknown fields and wrong types are refused
+    with the field's name. The defaults are the fastest measured on an H200 host."""
 
-    Attributes:
-        threads: reader threads; each has its own CUDA stream.
-        read_bytes: bytes per read and per host->device copy (a multiple of 4096).
-        slots_per_thread: pinned staging slots per thread (2 = double buffering).
-        verify: check every chunk's checksum (on the device for GPU loads).
-        cold_threads, cold_read_bytes: used instead when ``adapt`` is on and most of
-            the file is not in the page cache (sampled with mincore before reading).
-        readahead: start ``weights.readahead.prefetch`` as the load's thread starts
-            (after the buffer and its views), so a cold disk streams ahead of the readers.
-        trickle: read by a replica (``LLMServer``), not here: when most of the file is not
-            in the page cache, the replica trickles it in (``weights.readahead.trickle``)
-            from its first instant and holds this load's reads until its engine is built.
-        trickle_read_bytes: the trickle's one read at a time (a multiple of 4096). A page
-            fault of the imports beside it waits for one such read at most; a larger one
-            reads more of the file before the bulk read starts but slows the imports: at
-            4 MiB a cold replica's start on an H200 host took 0.57 s longer than at 1 MiB
-            (median of three rounds), without the trickle 1.67 s longer
-            (bench/results/runs/serve-v15-cold-trickle.json).
-        direct_io: read with O_DIRECT, past the page cache (falls back to buffered
-            reads where the filesystem refuses it); ``cold_direct_io`` turns it on
-            for the cold settings only.
-        headroom_bytes: device memory that must stay free after the weights
-            (activations, the KV cache); the load is refused up front otherwise.
-    """
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
 
-    # From the page cache, 8 threads x 4 MiB was the fastest of 8/16/24 threads x
-    # 4/8 MiB on an H200 host (bench/results/runs/load-v2-*.json): more threads only
-    # contend. From disk, 16 x 8 MiB did better (94 % vs 85 % of the disk's rate).
-    threads: int = 8
+    threads: int = Field(8, ge=1)
+    """Reader threads, each with its own CUDA stream (page cache warm: more only contend)."""
     read_bytes: int = 4 << 20
-    cold_threads: int = 16
+    """Bytes per read and per host->device copy (a multiple of 4096)."""
+    cold_threads: int = Field(16, ge=1)
+    """Reader threads where most of the file is not in the page cache (``adapt``)."""
     cold_read_bytes: int = 8 << 20
+    """Bytes per read where most of the file is not in the page cache (a multiple of 4096)."""
     adapt: bool = True
-    slots_per_thread: int = 2
+    """Sample the page cache (mincore) before reading and use the cold settings when most of the
+    file is not there."""
+    slots_per_thread: int = Field(2, ge=1)
+    """Pinned staging slots per reader thread (2: double buffering)."""
     verify: bool = True
-    headroom_bytes: int = 0
+    """Check every chunk's checksum while loading (on the device for GPU loads)."""
+    headroom_bytes: int = Field(0, ge=0)
+    """Device memory that must stay free after the weights; the load is refused up front otherwise."""
     readahead: bool = True
+    """Read the file ahead of the readers into the page cache once they start (a cold disk
+    streams ahead of them)."""
     trickle: bool = True
+    """On a GPU replica whose weights are mostly not in the page cache: read them one piece at a
+    time from the replica's first instant, and hold the bulk read until its engine is built."""
     trickle_read_bytes: int = 1 << 20
+    """The trickle's one read at a time (a multiple of 4096): a page fault of the imports beside it
+    waits for one such read at most."""
     direct_io: bool = False
+    """Read with O_DIRECT, past the page cache (buffered reads where the filesystem refuses it)."""
     cold_direct_io: bool = False
+    """O_DIRECT for the cold settings only."""
 
-    def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ValueError(f"threads={self.threads} must be at least 1")
+    @model_validator(mode="after")
+    def _aligned(self) -> "LoadOptions":
         for name in ("read_bytes", "cold_read_bytes", "trickle_read_bytes"):
             v = getattr(self, name)
             if v < 4096 or v % 4096:
                 raise ValueError(f"{name}={v} must be a positive multiple of 4096")
-        if self.cold_threads < 1:
-            raise ValueError(f"cold_threads={self.cold_threads} must be at least 1")
-        if self.slots_per_thread < 1:
-            raise ValueError(f"slots_per_thread={self.slots_per_thread} must be at least 1")
+        return self

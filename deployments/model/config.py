@@ -17,6 +17,12 @@ def architecture(cfg: Mapping[str, Any]) -> str:
     """`architectures[0]`, or the native class for `model_type` when a config lacks it."""
     archs = cfg.get("architectures") or []
     return archs[0] if archs else _BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
+
+
+def is_native(cfg: Mapping[str, Any]) -> bool:
+    """Whether the native decoder serves a model of this config.json."""
+    return architecture(cfg) in NATIVE_ARCHITECTURES
+
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
 
 

@@ -18,76 +18,35 @@ This module must stay cheap to import: no transformers, no ray, no jinja2.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import time
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deployments import kernels
-from deployments.model_config import (NATIVE_ARCHITECTURES, ModelConfig, architecture,  # noqa: F401
-                                      rope_inv_freq)
+from deployments.kernels import ops
+from deployments.kernels.policy import KernelPlan
+from deployments.model.config import ModelConfig, rope_inv_freq
+from deployments.model.fused import refresh_copies
+from deployments.model.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
 # `enable_gqa` in SDPA arrived in torch 2.5; pyproject allows 2.4.
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 # Attention backends of the model's SDPA calls on a GPU: not cuDNN's, which torch prefers on
-# an H200. cuDNN builds a plan per shape and per thread (the handles are per thread), 54 ms
-# for the first 128-token prefill of a 7B in a new thread, against ~15 ms for the whole
-# prefill afterwards (bench/results/runs/first-prefill-anatomy.json); and its libraries load
-# on first use. Flash attention has no such set-up; the others are its fallbacks. Its price:
-# a 128-token prompt's first token ~3 ms later than with cuDNN (17.4 against 13.7 ms,
-# bench/results/engine.json against runs/engine-v7-cudnn-attention.json). Env
-# COLDSTART_PREFILL_ATTENTION=auto leaves the choice to torch (cuDNN on an H200).
+# an H200. cuDNN builds a plan per shape and per thread (the handles are per thread): tens of
+# milliseconds for the first prefill of each length in a new thread, several times the prefill
+# itself, and its libraries load on first use. Flash attention has no such set-up; the others
+# are its fallbacks. Its price: a short prompt's first token a few ms later than with cuDNN.
 _SDPA_BACKENDS: list = []
-if os.environ.get("COLDSTART_PREFILL_ATTENTION", "flash") != "auto":
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    except ImportError:  # torch < 2.3: its own choice
-        pass
-
-
-class KVCache:
-    """Static KV cache: per layer k and v of shape [slots, n_kv_heads, max_seq_len, head_dim]."""
-
-    def __init__(self, cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
-                 one_segment: bool = True):
-        shape = (max_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
-        # zeros, not empty: a never-written position must hold finite values, since
-        # masked-out scores still multiply it (0 * NaN = NaN). One allocation and one memset
-        # for every layer's keys and values, each layer's k and v a contiguous view of it. Made
-        # as one plain segment where the allocator uses expandable segments, which map it piece
-        # by piece: a 7B's 32 GiB in 0.017 s instead of 0.10-0.12 (weights.loader.one_segment,
-        # which changes the allocator's settings for the whole process while it runs: a small
-        # cache made beside other allocations, deployments.prime's, passes one_segment=False)
-        from weights.loader import one_segment as plain_segment
-        with plain_segment(torch.device(device)) if one_segment else contextlib.nullcontext():
-            self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
-        self.k = list(self.data[0].unbind(0))
-        self.v = list(self.data[1].unbind(0))
-        self.max_slots, self.max_seq_len = max_slots, max_seq_len
-
-    def zero_(self) -> None:
-        """Every position back to zero (one memset, queued on the current stream)."""
-        self.data.zero_()
-
-    def zero_slot(self, slot: int, upto: int) -> None:
-        """Positions [0, upto) of one slot back to zero, in every layer's keys and values (one
-        fill over a strided view, queued on the current stream)."""
-        self.data[:, :, slot, :, :upto].zero_()
-
-    @staticmethod
-    def bytes_needed(cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * max_slots * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * itemsize
+    _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+except ImportError:  # torch < 2.3: its own choice
+    pass
 
 
 @dataclass
@@ -113,7 +72,7 @@ class AttnContext:
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnContext | None) -> torch.Tensor:
     """F.linear, or the Triton GEMV for one row when the model chose it for w's shape."""
     if ctx is not None and ctx.gemv and x.numel() == x.shape[-1] and tuple(w.shape) in ctx.gemv:
-        return kernels.gemv(x, w, b)
+        return ops.gemv(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -191,10 +150,10 @@ class Attention(nn.Module):
         B, H, Dh = x.shape[0], self.n_heads, self.head_dim
         qkv = _linear(x.view(B, -1), self.qkv_w, self.qkv_b, ctx)  # [B, (H + 2 Hkv) Dh]
         kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
-        q = kernels.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
+        q = ops.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
                                   H, self.n_kv, Dh)  # [B, H, Dh]
         if ctx.attention_kernel:  # flash-decoding: key slices in parallel, masks from the positions
-            out = kernels.decode_attention(q, kc, vc, ctx.positions, ctx.kv_len, self.window or 0, self.scale)
+            out = ops.decode_attention(q, kc, vc, ctx.positions, ctx.kv_len, self.window or 0, self.scale)
         else:
             mask = ctx.masks.get(self.window) if ctx.masks else None
             out = self._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
@@ -256,7 +215,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         if ctx is not None and ctx.fused and self.gate_up_w is not None:
-            h = kernels.silu_mul(_linear(x, self.gate_up_w, self.gate_up_b, ctx))
+            h = ops.silu_mul(_linear(x, self.gate_up_w, self.gate_up_b, ctx))
             return _linear(h, self.down_proj.weight, self.down_proj.bias, ctx)
         if self.gate_up_w is not None:
             gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
@@ -302,10 +261,8 @@ class Transformer(nn.Module):
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
-        self.use_kernels = False  # set by build_native: Triton kernels on CUDA (deployments.kernels)
-        self.use_attention_kernel = False  # and the flash-decoding attention (see attention_kernel)
-        self.gemv_shapes: frozenset = frozenset()  # and batch-1 projections of these shapes (N, K)
-        self.build_s: dict[str, float] = {}  # build_native's steps, seconds (assemble, kernel tests, GEMV choice)
+        self.kernels = KernelPlan()  # the Triton kernels it runs on CUDA (set by the build: kernels.policy)
+        self.build_s: dict[str, float] = {}  # the build's steps, seconds (assemble, kernel tests, GEMV choice)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -367,26 +324,26 @@ class Transformer(nn.Module):
 
     def _layers(self, tokens: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)  # [B, S, D]
-        if not self.use_kernels:
+        if not self.kernels.fused:
             for layer in self.model.layers:
                 x = layer(x, ctx)
             return self.model.norm(x)
         # Triton path: each residual add is fused into the RMSNorm that follows it
-        ctx.fused, ctx.gemv = True, self.gemv_shapes  # (decode() sets ctx.attention_kernel)
+        ctx.fused, ctx.gemv = True, self.kernels.gemv  # (decode() sets ctx.attention_kernel)
         layers, eps = self.model.layers, self.config.rms_norm_eps
         h, res = layers[0].input_layernorm(x), x
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, ctx)
-            h, res = kernels.add_rms_norm(a, res, layer.post_attention_layernorm.weight, eps)
+            h, res = ops.add_rms_norm(a, res, layer.post_attention_layernorm.weight, eps)
             m = layer.mlp(h, ctx)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, res = kernels.add_rms_norm(m, res, nxt.weight, eps)
+            h, res = ops.add_rms_norm(m, res, nxt.weight, eps)
         return h
 
     def _fused_decode(self) -> bool:
         """Whether every layer's decode step goes through the fused Triton path (its q, k, v
         in one view; rope_store_kv writes the cache)."""
-        return self.use_kernels and all(la.self_attn.qkv_w is not None for la in self.model.layers)
+        return self.kernels.fused and all(la.self_attn.qkv_w is not None for la in self.model.layers)
 
     def attention_kernel(self) -> bool:
         """Whether the decode steps use the Triton attention: every step, where it passed its
@@ -394,7 +351,7 @@ class Transformer(nn.Module):
         matmuls at every batch size and length measured, with grouped-query heads or without,
         and more so where a batch's rows differ in length, since each reads its keys only up
         to its own position)."""
-        return self.use_attention_kernel and self._fused_decode()
+        return self.kernels.attention and self._fused_decode()
 
     def decode_kv_lens(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
         """The key-length bounds (of the engine's ``buckets``, ascending) that need a CUDA graph
@@ -497,220 +454,3 @@ class Transformer(nn.Module):
         )
         h = self._run(tokens.view(B, 1), ctx)
         return _linear(h[:, 0], self.lm_head.weight, None, ctx)
-
-
-def adjacent_view(ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """``ts`` stacked along dim 0 as ONE view, if they lie back to back in one storage.
-
-    No copy is ever made: None when they are not adjacent (other loaders, padding
-    between small tensors), and the caller keeps the separate matmuls.
-    """
-    first = ts[0]
-    base = first.untyped_storage().data_ptr()
-    end = first.data_ptr()
-    for t in ts:
-        if (t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != base or t.data_ptr() != end or end == 0):
-            return None
-        end += t.numel() * t.element_size()
-    rows = sum(t.shape[0] for t in ts)
-    return first.as_strided((rows, *first.shape[1:]), first.stride())
-
-
-def _bias(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    if ts[0] is None:
-        return None
-    # biases are 4 KiB-padded apart in a packed file; a few KB per layer, so a copy is fine
-    # (refresh_copies makes it again when the weights' bytes arrive after the build)
-    return adjacent_view(ts) if adjacent_view(ts) is not None else torch.cat(ts)
-
-
-def refresh_copies(model: Transformer) -> int:
-    """Copy again, in place, what the build copied out of the weights (fused biases that
-    were not adjacent), for a model built over a buffer that was still loading. In place,
-    because captured CUDA graphs hold these tensors' addresses. Returns how many."""
-    n = 0
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        for fused, parts in ((a.qkv_b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-                             (m.gate_up_b, [m.gate_proj.bias, m.up_proj.bias])):
-            if fused is not None and adjacent_view(parts) is None:
-                fused.copy_(torch.cat(parts))
-                n += 1
-    return n
-
-
-def fuse_projections(model: Transformer) -> int:
-    """Point every layer's fused q/k/v and gate/up weights at adjacent views; returns how
-    many of the 2 x layers matrices could be fused."""
-    n = 0
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        a.qkv_w = adjacent_view([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        if a.qkv_w is not None:
-            a.qkv_b = _bias([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            n += 1
-        m.gate_up_w = adjacent_view([m.gate_proj.weight, m.up_proj.weight])
-        if m.gate_up_w is not None:
-            m.gate_up_b = _bias([m.gate_proj.bias, m.up_proj.bias])
-            n += 1
-    return n
-
-
-def _kernels_usable(model: Transformer) -> bool:
-    """Whether the fused Triton kernels may run this model (CUDA, one dtype, and a
-    launch at its sizes that compiled and matched torch, in this start or, as its kept
-    verdict says, in an earlier one on this node with the same GPU and software)."""
-    if not kernels.available(model.device):
-        return False
-    if any(t.dtype != model.dtype for t in model.parameters()):
-        log.warning("fused Triton kernels off: the checkpoint mixes dtypes")
-        return False
-    c = model.config
-    times: dict[str, float] = {}
-    why = kernels.self_test(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
-                            c.head_dim, model.dtype, model.device, times, keep=kernels.verdict_dir())
-    model.build_s.update({f"kernel_test_{k}": v for k, v in times.items()})
-    if why:
-        log.warning("fused Triton kernels off (%s): decoding with torch kernels", why)
-    return why is None
-
-
-def kernel_mode(var: str) -> str:
-    """env ``var`` (COLDSTART_DECODE_ATTENTION, COLDSTART_GEMV): auto (the default), triton or
-    torch; anything else is auto, with a warning."""
-    mode = os.environ.get(var, "auto")
-    if mode not in ("auto", "triton", "torch"):
-        log.warning("%s=%r is not one of auto, triton, torch: using auto", var, mode)
-        mode = "auto"
-    return mode
-
-
-def _attention_kernel_wanted(model: Transformer) -> bool:
-    """The Triton decode attention for every decode step (COLDSTART_DECODE_ATTENTION=auto, the
-    default, or triton; =torch: batched matmuls and a softmax instead), when it passes its
-    self-test."""
-    mode = kernel_mode("COLDSTART_DECODE_ATTENTION")
-    if mode == "torch":
-        return False
-    c = model.config
-    times: dict[str, float] = {}
-    why = kernels.attention_self_test(c.num_attention_heads, c.num_key_value_heads, c.head_dim, model.dtype,
-                                      model.device, times, keep=kernels.verdict_dir())
-    model.build_s.update({f"attention_test_{k}": v for k, v in times.items()})
-    if why:
-        log.warning("Triton decode attention off (%s): using batched matmuls", why)
-    return why is None
-
-
-def _choose_gemv(model: Transformer) -> frozenset:
-    """Weight shapes whose batch-1 products go through the Triton GEMV: by default those
-    where it times faster than cuBLAS on this GPU (kernels.gemv_choice, 0.2 s for a 7B on an
-    H200; the verdict is kept per node, kernels.verdict_dir);
-    COLDSTART_GEMV=triton takes it for every projection, =torch for none."""
-    mode = kernel_mode("COLDSTART_GEMV")
-    if mode == "torch":
-        return frozenset()
-    groups: dict[tuple[int, int], dict] = {}
-
-    def add(name: str, w: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        if w is not None and w.stride(1) == 1:
-            g = groups.setdefault(tuple(w.shape), {"names": [], "pairs": []})
-            if name not in g["names"]:
-                g["names"].append(name)
-            g["pairs"].append((w, b))
-    for la in model.model.layers:
-        at, mlp = la.self_attn, la.mlp
-        add("qkv", at.qkv_w, at.qkv_b)
-        add("o_proj", at.o_proj.weight, at.o_proj.bias)
-        add("gate_up", mlp.gate_up_w, mlp.gate_up_b)
-        add("down_proj", mlp.down_proj.weight, mlp.down_proj.bias)
-    add("lm_head", model.lm_head.weight, None)
-    if mode == "triton":
-        return frozenset(groups)
-    chosen, report = kernels.gemv_choice({"+".join(g["names"]): g["pairs"] for g in groups.values()},
-                                         keep=kernels.verdict_dir())
-    log.info("batch-1 GEMV%s: %s", " (kept from an earlier start on this node)" if any(
-        r.get("cached") for r in report.values()) else "", "; ".join(
-        f"{name} {r['triton_ms']:.3f} vs cuBLAS {r['torch_ms']:.3f} ms -> {'Triton' if r['triton'] else 'cuBLAS'}"
-        if "error" not in r else f"{name}: cuBLAS ({r['error']})" for name, r in report.items()))
-    return frozenset(chosen)
-
-
-def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
-
-
-def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None) -> Transformer:
-    """Build the native decoder on meta and assign `tensors` (HF names) as its parameters.
-
-    Raises ValueError listing missing, unexpected and mis-shaped tensors.
-    """
-    t_start = time.perf_counter()
-    cfg = ModelConfig.from_hf(config)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = _expected_shapes(model)
-    given = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF checkpoints
-    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    missing = sorted(k for k in expected if k not in given and k not in optional)
-    unexpected = sorted(k for k in given if k not in expected)
-    misshaped = sorted(
-        f"{k}: expected {list(expected[k])}, given {list(given[k].shape)}"
-        for k in expected
-        if k in given and tuple(given[k].shape) != expected[k]
-    )
-    if missing or unexpected or misshaped:
-        parts = []
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-            if items:
-                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
-                parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
-        raise ValueError(f"{cfg.architecture} weights do not match config.json: " + " | ".join(parts))
-    devices = {t.device for t in given.values()}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    dtypes = {t.dtype for t in given.values()}
-    if len(dtypes) > 1:
-        log.warning("checkpoint mixes dtypes %s; the model computes in the embedding's dtype", sorted(map(str, dtypes)))
-    # Assign, never copy: each parameter becomes the given tensor (a view of the loader's buffer).
-    for name in expected:
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        mod_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(mod_name), leaf, nn.Parameter(given[name], requires_grad=False))
-    if cfg.tie_word_embeddings:  # HF ties even when lm_head.weight is stored
-        model.lm_head.weight = model.model.embed_tokens.weight
-    fused = fuse_projections(model)
-    log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
-    t = time.perf_counter()
-    model.build_s["assemble"] = t - t_start
-    model.use_kernels = _kernels_usable(model)
-    model.build_s["kernel_test"], t = time.perf_counter() - t, time.perf_counter()
-    model.use_attention_kernel = model.use_kernels and _attention_kernel_wanted(model)
-    model.build_s["attention_test"], t = time.perf_counter() - t, time.perf_counter()
-    model.gemv_shapes = _choose_gemv(model) if model.use_kernels else frozenset()
-    model.build_s["gemv_choice"] = time.perf_counter() - t
-    log.info("decode kernels: %s", ("Triton (fused norm, SwiGLU, rope + KV write"
-                                    + (", attention" if model.use_attention_kernel else "")
-                                    + (f", GEMV for {len(model.gemv_shapes)} weight shapes)" if model.gemv_shapes
-                                       else ")")) if model.use_kernels else "torch")
-    model.eval()
-    model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
-    return model
-
-
-def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Build the serving model for `config` (an HF config.json dict) from `tensors` (HF names).
-
-    Llama / Mistral / Qwen2 get the native decoder; any other `architectures[0]`
-    is served through transformers' own class (slower start, logged).
-
-    Example:
-        model = build_model(json.load(open(d / "config.json")), safetensors.torch.load_file(f, device="cuda"))
-    """
-    if architecture(config) in NATIVE_ARCHITECTURES:
-        return build_native(config, tensors)
-    from deployments.hf_fallback import build_hf_model  # imports transformers: only on this path
-
-    return build_hf_model(config, tensors)

@@ -3,55 +3,48 @@
 Between the controller asking for a replica and the replica's constructor, Ray starts a
 worker process, imports itself, connects to the node, receives the actor, imports Serve's
 replica and unpickles the deployment's class: some 4 s on an H200 host, during which the
-process waits on its node as much as it computes. Only then would the constructor import
-torch (1.4-1.8 s there). Ray runs a worker's *setup hook* right after the worker connects,
-before it takes the actor: serve_config.yaml names ``deployments.early.hook`` there, and the
-hook starts a thread that imports torch and the engine's modules while Ray's main thread goes
-on. The constructor's own imports then find them done, or wait for the rest.
+process waits on its node as much as it computes. Ray runs a worker's *setup hook* right after
+the worker connects, before it takes the actor: serve_config.yaml names ``hook`` there
+(``__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR``; Ray's ``runtime_env.worker_process_setup_hook``
+field sets that variable for a job's workers only, not for one application's replicas), and
+the hook starts a thread that imports torch and the engine's modules while Ray's main thread
+goes on. The constructor's own imports then find them done, or wait for the rest.
 
 Nothing here may touch the GPU: Ray sets CUDA_VISIBLE_DEVICES when the actor arrives, after
 the hook, and CUDA fixes the devices a process sees at its first call (``cuInit``). So the
-thread imports modules only, none of which calls CUDA at import (``deployments.kernels``
-decides on Triton from the build and the driver's device file, not from
-``torch.cuda.is_available()``); the context, the kernels' self-tests and Triton's driver stay
-in the constructor. The bytecode cache (``deployments.bytecode``) is turned on first, as the
-constructor would: where the packages carry no ``.pyc`` files, Ray's own imports after the hook
-(Serve's replica module among them) then read compiled modules too.
-
-Ray takes the hook from the reserved env var ``__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR`` (its
-``runtime_env.worker_process_setup_hook`` field sets that var for a job's workers only, not for
-one application's replicas); a process without it, or with env COLDSTART_EARLY_IMPORT=0, imports
-in the constructor as before (a comma-separated list of modules imports those instead of
-``MODULES``; bench/serve.py's minimal-early imports torch alone). A hook that fails never fails
+thread imports modules only, none of which calls CUDA at import. The bytecode cache
+(``deployments.startup.bytecode``) is turned on first, as the constructor would: where the
+packages carry no ``.pyc`` files, Ray's own imports after the hook then read compiled modules
+too. COLDSTART_EARLY_IMPORT picks what is imported (0: nothing). A hook that fails never fails
 the worker: the constructor's imports raise the error where the replica reports it.
 
 The hook also turns Python's cyclic garbage collector off for the start (``pause_gc``): the
-start makes a few hundred thousand long-lived objects (torch, Ray, the engine: a 7B replica on
-an H200 froze 452,511), and each full collection the imports trigger walks all of them again
-(``import torch`` alone took 1.34-1.39 s with it on against 1.15-1.24 s off, on a development
-VM), as does the ``gc.collect()`` Ray runs after the first ``reconfigure``. Once the replica is
-warm, ``resume_gc(freeze=True)`` moves every object into the collector's permanent generation
-(``gc.freeze()``: never walked again, so Ray's collection finds only what the warm-up made) and
-turns it back on. The start's own cyclic garbage is not collected then (some 9,000 objects after
-the imports, once per process). A replica that fails to start turns it back on without freezing.
-Env COLDSTART_PAUSE_GC=0 leaves the collector on.
+start makes a few hundred thousand long-lived objects (torch, Ray, the engine), and each full
+collection the imports trigger walks all of them again, as does the ``gc.collect()`` Ray runs
+after the first ``reconfigure``. Once the replica is warm, ``resume_gc(freeze=True)`` moves every
+object into the collector's permanent generation (``gc.freeze()``: never walked again) and turns
+it back on. A replica that fails to start turns it back on without freezing. COLDSTART_PAUSE_GC=0
+leaves the collector on. This module and the replica's start (``deployments.server.start``) are
+the only code that starts side threads or touches the collector.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
+from typing import Mapping
+
+from deployments import envs
 
 ENV_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 """Where Ray's worker (ray/_private/workers/default_worker.py) looks for its setup hook: a
 ``module.function`` path it imports and calls once connected."""
-HOOK = "deployments.early.hook"
+HOOK = "deployments.startup.early.hook"
 
-# the engine's modules, in the order the constructor imports them (server.import_engine): none
-# of them calls CUDA at import
-MODULES = ("torch", "deployments.engine", "deployments.model", "deployments.tokenizer", "weights.loader")
+# the engine's modules (what the replica's start imports, deployments.server.start): none of them
+# calls CUDA at import
+MODULES = ("torch", "deployments.engine", "deployments.model", "weights.loader")
 
 _times: dict[str, float] = {}
 _thread: threading.Thread | None = None
@@ -69,7 +62,7 @@ def hook() -> None:
         return
     _times["hook_at"] = time.time()
     try:
-        from deployments import bytecode
+        from deployments.startup import bytecode
         bytecode.enable()  # what the replica's constructor turns on before its imports
     except Exception:  # noqa: BLE001 - no cache: the imports compile, as without the hook
         pass
@@ -77,10 +70,10 @@ def hook() -> None:
     _thread.start()
 
 
-def modules(env: os._Environ | dict = os.environ) -> tuple[str, ...]:
-    """What the thread imports: ``MODULES``, or env COLDSTART_EARLY_IMPORT's comma-separated
-    list (empty where it is 0)."""
-    v = env.get("COLDSTART_EARLY_IMPORT", "1").strip()
+def modules(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """What the thread imports: ``MODULES``, or COLDSTART_EARLY_IMPORT's comma-separated list
+    (empty where it is 0)."""
+    v = envs.read("COLDSTART_EARLY_IMPORT", env)
     if v == "0":
         return ()
     if v in ("", "1"):
@@ -113,16 +106,21 @@ def times() -> dict[str, float]:
     return dict(_times)
 
 
-def pause_gc(env: os._Environ | dict = os.environ) -> bool:
+def pause_gc(env: Mapping[str, str] | None = None) -> bool:
     """Turn the cyclic garbage collector off until ``resume_gc`` (a replica's own process only:
     the hook, or the deployment's constructor where no hook ran); whether it was turned off
     now. Does nothing where env COLDSTART_PAUSE_GC is 0, where it is off already (someone else
     chose so) or after an earlier pause."""
-    if _gc or env.get("COLDSTART_PAUSE_GC", "1").strip() == "0" or not gc.isenabled():
+    if _gc or not envs.read("COLDSTART_PAUSE_GC", env) or not gc.isenabled():
         return False
     gc.disable()
     _gc["paused_at"] = time.time()
     return True
+
+
+def gc_paused() -> bool:
+    """Whether ``pause_gc`` turned the collector off and ``resume_gc`` has not turned it back on."""
+    return "paused_at" in _gc and "resumed_at" not in _gc
 
 
 def resume_gc(freeze: bool) -> None:

@@ -2,18 +2,17 @@
 
 Where the installed packages hold no ``.pyc`` files and the interpreter may not write
 them (``PYTHONDONTWRITEBYTECODE=1``, common in container images, or a read-only
-install), every process compiles each module it imports from its source: on the GPU
-machine, ``import torch`` compiled 768 modules in every replica, 1.9 s of its 3.8 s
-(bench/results/runs/import-compile.json). ``enable`` then points the interpreter's
-bytecode cache (``sys.pycache_prefix``) at a directory kept per node, beside Triton's
-kernel cache (``head_start.kept_dir``), and lets it write there: the first replica on a
-node compiles and writes, every later one reads. Nothing changes where the interpreter
+install), every process compiles each module it imports from its source (``import torch``
+alone compiles some 770 modules). ``enable`` then points the interpreter's bytecode cache
+(``sys.pycache_prefix``) at a directory kept per node, beside Triton's kernel cache
+(``deployments.node_cache``), and lets it write there: the first replica on a node
+compiles and writes, every later one reads. Nothing changes where the interpreter
 finds or may write the ``.pyc`` files itself, or where PYTHONPYCACHEPREFIX is set.
 
 Python checks each cached file against its source's size and mtime, so an upgraded
 package is compiled again; files are written atomically, so replicas that start together
-share the directory safely. Env COLDSTART_BYTECODE_CACHE: ``0`` turns this off, a path
-puts the cache there. Imports nothing heavy: it runs before torch is imported.
+share the directory safely. COLDSTART_BYTECODE_CACHE: ``0`` turns this off, a path puts
+the cache there. Imports nothing heavy: it runs before torch is imported.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import logging
 import os
 import sys
 from typing import Mapping
+
+from deployments import envs
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +49,22 @@ def needed(probe: str = "torch") -> bool:
     return sys.dont_write_bytecode or not writable
 
 
-def cache_dir(env: Mapping[str, str] = os.environ) -> str | None:
+def cache_dir(env: Mapping[str, str] | None = None) -> str | None:
     """Where a replica keeps compiled modules when it needs to: COLDSTART_BYTECODE_CACHE, else
-    ``coldstart-bytecode`` beside Triton's kernel cache; None when turned off
-    (COLDSTART_BYTECODE_CACHE=0, or COLDSTART_KERNEL_VERDICTS=0: nothing kept per node)."""
-    choice = env.get("COLDSTART_BYTECODE_CACHE", "")
+    ``coldstart-bytecode`` beside Triton's kernel cache; None where COLDSTART_BYTECODE_CACHE=0."""
+    choice = envs.read("COLDSTART_BYTECODE_CACHE", env)
     if choice == "0":
         return None
     if choice:
         return choice
-    from deployments.head_start import kept_dir
-
-    kept = kept_dir()
-    return None if kept is None else os.path.join(kept, SUBDIR)
+    from deployments.node_cache import triton_cache_dir
+    return os.path.join(triton_cache_dir(env), SUBDIR)
 
 
-def enable(env: Mapping[str, str] = os.environ, probe: str = "torch") -> str | None:
+def enable(env: Mapping[str, str] | None = None, probe: str = "torch") -> str | None:
     """Keep this process's compiled modules in the node's cache from now on, where ``needed``;
     the cache's directory, or None (not needed, turned off, or no writable place)."""
-    if not needed(probe):  # (first: cache_dir may import the doctor's helpers)
+    if not needed(probe):
         return None
     where = cache_dir(env)
     if where is None:

@@ -7,7 +7,7 @@ status (ok / warn / fail / skip), what it saw, and what to do about it::
     coldstart doctor                       # table on stdout
     coldstart doctor --model /models/llama-7b --read-gib 4
     coldstart doctor --json                # machine output
-    python -m deployments.doctor --require-gpu
+    python -m deployments.tools.doctor --require-gpu
 
 Exit code 0 when no check failed, 1 otherwise. Without a GPU the GPU checks say
 ``skip`` (``fail`` with ``--require-gpu``). torch is imported inside the checks
@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from deployments import envs
+from deployments.node_cache import triton_cache_dir
+from weights.readahead import resident_bytes
 from deployments.gpu_facts import (  # noqa: F401  (parsers re-exported: part of the doctor's API)
     PROC_DRIVER_VERSION, GpuInfo, _loaded_libraries, _runtime_wheel_version, _vtuple, driver_cuda_version,
     driver_verdict, parse_nvidia_smi, parse_proc_driver_version, probe_driver, visibility_verdict)
@@ -275,7 +278,6 @@ def model_files(model: Path) -> list[Path]:
 
 
 # mincore(2) residency lives with the read-ahead hint, which the loader also uses
-from weights.readahead import resident_bytes  # noqa: E402  (stdlib only, no torch)
 
 
 def page_cache_fraction(paths: Sequence[Path], limit: int | None = None) -> float | None:
@@ -397,13 +399,6 @@ def check_read_speed(opts: DoctorOptions, files: list[Path]) -> Check:
 
 
 # ---------------------------------------------------------------- Triton's kernel cache
-def triton_cache_dir(env: Mapping[str, str]) -> Path:
-    """Where Triton keeps compiled kernels: TRITON_CACHE_DIR, else TRITON_HOME (or ~)/.triton/cache."""
-    if env.get("TRITON_CACHE_DIR"):
-        return Path(env["TRITON_CACHE_DIR"])
-    return Path(env.get("TRITON_HOME") or os.path.expanduser("~")) / ".triton" / "cache"
-
-
 def mount_of(path: Path, mounts: str) -> tuple[str, str] | None:
     """(mount point, filesystem type) of the mount holding ``path``, from /proc/mounts text."""
     best: tuple[str, str] | None = None
@@ -440,7 +435,7 @@ def kernel_cache_verdict(path: Path, kernels: int, nbytes: int, writable: bool,
 def check_kernel_cache(opts: DoctorOptions, torch: Any) -> Check:
     name = "kernel cache"
     import importlib.util
-    if os.environ.get("COLDSTART_TRITON") == "0":
+    if not envs.read("COLDSTART_TRITON"):
         return Check(name, "skip", "COLDSTART_TRITON=0: the decode step runs torch kernels; nothing to compile")
     if importlib.util.find_spec("triton") is None:
         return Check(name, "skip", "Triton is not installed: the decode step runs torch kernels (slower "
@@ -448,7 +443,7 @@ def check_kernel_cache(opts: DoctorOptions, torch: Any) -> Check:
     if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
         return Check(name, "skip", "no usable CUDA device: the decode kernels are compiled on a GPU only; "
                      "not checked")
-    d = triton_cache_dir(os.environ)
+    d = triton_cache_dir()
     groups = [p for p in d.iterdir() if p.is_dir()] if d.is_dir() else []
     nbytes = sum(f.stat().st_size for g in groups for f in g.iterdir() if f.is_file())
     existing = next((p for p in (d, *d.parents) if p.exists()), Path("/"))
@@ -465,9 +460,9 @@ def check_kernel_cache(opts: DoctorOptions, torch: Any) -> Check:
 
 def check_bytecode() -> Check:
     """Whether every replica compiles the modules it imports (no .pyc it can read or write),
-    and if so where replicas keep them instead (``deployments.bytecode``)."""
+    and if so where replicas keep them instead (``deployments.startup.bytecode``)."""
     name = "compiled modules"
-    from deployments import bytecode
+    from deployments.startup import bytecode
     if sys.pycache_prefix is not None:
         return Check(name, "ok", f"PYTHONPYCACHEPREFIX={sys.pycache_prefix}: the interpreter's own cache")
     if not bytecode.needed():
@@ -476,9 +471,9 @@ def check_bytecode() -> Check:
     where = bytecode.cache_dir()
     if where is None:
         return Check(name, "warn", f"torch is installed without .pyc files and {why}: every replica compiles "
-                     "the modules it imports (768 of torch's, 1.9 s, on an H200 host), and the replicas' own "
+                     "the modules it imports (some 770 of torch's alone), and the replicas' own "
                      "cache for them is turned off",
-                     "unset COLDSTART_BYTECODE_CACHE=0 and COLDSTART_KERNEL_VERDICTS=0, or install the "
+                     "unset COLDSTART_BYTECODE_CACHE=0, or install the "
                      "packages with their .pyc files (pip compiles them unless --no-compile)", {"dir": None})
     existing = next((p for p in (Path(where), *Path(where).parents) if p.exists()), Path("/"))
     files = sum(1 for _ in Path(where).rglob("*.pyc")) if Path(where).is_dir() else 0
@@ -492,7 +487,7 @@ def check_bytecode() -> Check:
     if bytecode.needed("ray"):  # and Ray's worker compiles its own before a replica's code runs
         return Check(name, "warn", f"{kept}; but Ray is installed without them too, and each replica's worker "
                      "compiles Ray's modules before the replica's code can keep anything (a minimal replica "
-                     "started in 9.2 s instead of 4.3 s on an H200 host, bench/results/serve.json)",
+                     "started in 9.2 s instead of 4.3 s on an H200 host, docs/measurements.md)",
                      f"give the whole worker the cache: PYTHONPYCACHEPREFIX={where} and PYTHONDONTWRITEBYTECODE=\"\" "
                      "in serve_config.yaml's runtime_env env_vars (commented there), or install the packages "
                      "with their .pyc files", {**data, "ray_compiled": False})

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)
 
-    # `coldstart doctor ...` is dispatched in main() to deployments.doctor's own parser
+    # `coldstart doctor ...` is dispatched in main() to deployments.tools.doctor's own parser
     sub.add_parser("doctor", help="check driver, CUDA, GPU visibility, disk and copy speed "
                                   "(coldstart doctor --help)")
     return ap
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["doctor"]:  # its own parser: argparse's REMAINDER drops leading --flags
-        from deployments.doctor import main as doctor_main
+        from deployments.tools.doctor import main as doctor_main
         return doctor_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)

@@ -1,25 +1,18 @@
-"""Replica runtime set-up: pick the device, check it can work, create the CUDA context.
+"""The replica's device: pick it, check it can work, create and check its CUDA context.
 
-Runs first in the replica's constructor, so a wrong driver or an invisible GPU
-fails the replica at once with a message that says what to fix, instead of a
-hang or a CUDA error deep inside loading. The CUDA context is created first:
-by the driver on a side thread while torch is imported (``start_context``), and
-checked and timed here before anything else touches the GPU.
+Runs first in the replica's start, so a wrong driver or an invisible GPU fails the replica
+at once with a message that says what to fix, instead of a hang or a CUDA error deep inside
+loading. Imports torch only inside the functions that need it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import threading
-import time
+
+from deployments import envs
 
 log = logging.getLogger(__name__)
-
-# the side thread of ``start_context`` and what it did: seconds, or why it did nothing
-_EARLY: dict = {}
-
 
 class PreflightError(RuntimeError):
     """The replica cannot run on this machine; the message says what to fix."""
@@ -56,6 +49,14 @@ def _proc_driver_text() -> str | None:
         return None
 
 
+def gpu_expected(device: str) -> bool:
+    """Whether a replica on ``device`` ("auto", "cpu", "cuda[:N]") will run on a GPU, as far as
+    can be told without calling CUDA: a GPU asked for, or (auto) an NVIDIA driver's device file."""
+    if device == "cpu":
+        return False
+    return device.startswith("cuda") or os.path.exists("/dev/nvidiactl")
+
+
 def choose_device(requested: str):
     """Resolve ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` into a torch.device, or raise
     ``PreflightError`` when a GPU was asked for and cannot be used."""
@@ -89,71 +90,10 @@ def choose_device(requested: str):
 def check_env() -> list[str]:
     """Warnings about start-up settings (the deployment's runtime_env should set them)."""
     warn = []
-    if os.environ.get("CUDA_MODULE_LOADING", "LAZY") != "LAZY":
+    if envs.read("CUDA_MODULE_LOADING") != "LAZY":
         warn.append("CUDA_MODULE_LOADING is not LAZY: context creation loads every kernel "
                     "(seconds); set it to LAZY in runtime_env.env_vars")
     return warn
-
-
-def _driver_present() -> bool:
-    return os.path.exists("/dev/nvidiactl")
-
-
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def start_context(requested: str) -> threading.Thread | None:
-    """Create the GPU's primary CUDA context on a side thread, through the driver itself,
-    while this thread imports torch; None where it is not started.
-
-    Creating a context is driver work that needs no torch, and a ctypes call holds no GIL, so
-    it runs beside the import (on an H200 host, 0.30 s there, and the replica's ``context``
-    phase took 0.02 s where the minimal replica's took 0.30-0.36 s in the same run,
-    bench/results/serve.json). torch's runtime later finds the
-    device's primary context there and uses it (the runtime API works in the primary
-    context); ``create_context`` then only checks and times what is left. Only for the
-    device torch will call 0 (``auto``, ``cuda``, ``cuda:0``; inside Ray, the replica's
-    GPU), and where an NVIDIA driver is present. CUDA_MODULE_LOADING is set to LAZY first
-    where it is unset, as torch does before its own first CUDA call: the driver reads it
-    once, at cuInit. Env COLDSTART_EARLY_CONTEXT=0 turns this off. Imports nothing heavy."""
-    if (requested not in ("auto", "cuda", "cuda:0") or _EARLY
-            or os.environ.get("COLDSTART_EARLY_CONTEXT", "1") == "0" or not _driver_present()):
-        return None
-    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
-
-    def run() -> None:
-        t0 = time.perf_counter()
-        try:
-            cuda = _libcuda()
-            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-            for call, rc in (("cuInit", lambda: cuda.cuInit(0)),
-                             ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),
-                             ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
-                code = rc()
-                if code != 0:  # torch meets the same condition in create_context and says what to fix
-                    _EARLY["skipped"] = f"{call} returned CUDA error {code}"
-                    return
-            _EARLY["seconds"] = time.perf_counter() - t0
-        except (OSError, AttributeError) as e:  # no libcuda to load: torch's own start reports it
-            _EARLY["skipped"] = str(e)
-
-    t = threading.Thread(target=run, name="cuda-context", daemon=True)
-    _EARLY["thread"] = t
-    t.start()
-    return t
-
-
-def early_context(timeout: float = 60.0) -> float | None:
-    """Wait for ``start_context``'s thread; the seconds it took to create the context on the
-    side, or None where it did not (not started, or the driver refused: see the log)."""
-    t = _EARLY.get("thread")
-    if t is None:
-        return None
-    t.join(timeout)
-    if "skipped" in _EARLY:
-        log.info("CUDA context not created ahead: %s", _EARLY["skipped"])
-    return _EARLY.get("seconds")
 
 
 def create_context(device) -> dict:

@@ -1,0 +1,71 @@
+"""The engine's options (``args.engine`` in serve_config.yaml), checked when they are made."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GiB = 1 << 30
+
+
+class EngineConfig(BaseModel):
+    """Engine options. Unknown fields and wrong types are refused with the field's name; ``resolved``
+    fills the defaults that depend on the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
+
+    max_slots: int = Field(8, gt=0)
+    """Sequences decoded at once (KV-cache slots); requests beyond them wait in the engine."""
+    max_seq_len: int | None = Field(None, ge=2)
+    """Prompt + generated tokens per sequence; default min(the model's max_position_embeddings, 4096)."""
+    prefill_chunk: int = Field(512, gt=0)
+    """Prompt tokens prefilled per loop turn (and per forward), so a long prompt holds the running
+    sequences up for one chunk at a time."""
+    cuda_graphs: bool = True
+    """Replay the decode step as CUDA graphs (CUDA and the native decoder only)."""
+    lazy_graphs: bool = True
+    """Capture only the smallest batch size's graphs before serving; each other batch size's are
+    captured when a decode step first needs them, or when the loop is idle once the replica is
+    warm. False: every graph before serving (a longer start)."""
+    graph_batch_sizes: list[int] | tuple[int, ...] | None = None
+    """Decode batch buckets, each a CUDA graph; default 1, 2, 4, ... below max_slots, and max_slots."""
+    kv_len_buckets: list[int] | tuple[int, ...] | None = None
+    """Decode key-length buckets for the torch attention path; default 512, 2048, max_seq_len."""
+    reserve_bytes: int = Field(1 * GiB, ge=0)
+    """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
+    prefill_padding: bool = True
+    """Pad each prompt chunk to one of a few lengths (powers of two from prefill_min_len, and
+    prefill_chunk), each run once before serving, so no request pays a first run of its shape."""
+    prefill_min_len: int = Field(128, gt=0)
+    """The shortest length a prompt chunk is padded to. A short prefill reads every weight once and
+    computes less than that read takes, so padding it costs its first token nothing measurable."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        for name in ("graph_batch_sizes", "kv_len_buckets"):
+            v = getattr(self, name)
+            if v is not None and (not v or min(v) <= 0):
+                raise ValueError(f"{name} must be a non-empty list of positive ints, got {v}")
+        if self.graph_batch_sizes is not None and max(self.graph_batch_sizes) > self.max_slots:
+            raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} has sizes above max_slots={self.max_slots}")
+        return self
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """A copy with the model-dependent defaults filled in; ValueError naming the field."""
+        msl = self.max_seq_len or min(model_max_len, 4096)
+        if msl > model_max_len:
+            raise ValueError(f"engine.max_seq_len={msl} exceeds the model's max_position_embeddings={model_max_len}")
+        bs = sorted(set(self.graph_batch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < self.max_slots]))
+        bs = sorted(set(bs) | {self.max_slots})  # the largest batch must always have a graph
+        kv = sorted({min(b, msl) for b in (self.kv_len_buckets or (512, 2048))} | {msl})
+        return self.model_copy(update={"max_seq_len": msl, "prefill_chunk": min(self.prefill_chunk, msl),
+                                       "graph_batch_sizes": tuple(bs), "kv_len_buckets": tuple(kv)})
+
+
+def prefill_lengths(chunk: int, min_len: int = 16) -> tuple[int, ...]:
+    """The lengths a prompt chunk of at most ``chunk`` tokens is padded to: powers of two from
+    ``min_len`` (rounded up to one), and ``chunk`` itself. Each costs the engine's start one
+    first run, so there are few; padding a prompt's last chunk at most doubles it, or brings it
+    up to ``min_len``."""
+    first = 1 << max(0, min_len - 1).bit_length()
+    out = {b for b in (first << k for k in range(31)) if b < chunk} | {chunk}
+    return tuple(sorted(out))

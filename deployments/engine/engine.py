@@ -1,0 +1,274 @@
+"""Continuous-batching generation engine: a loop thread over a scheduler and a model runner.
+
+One background thread owns the device. Each turn of its loop:
+  1. the scheduler takes new submissions and cancellations, and gives waiting requests free
+     KV-cache slots;
+  2. admitted prompts are prefilled, ``prefill_chunk`` tokens per turn, so a long prompt does
+     not stall running sequences for more than one chunk (fresh prompts that pad to one length
+     share one forward);
+  3. the runner launches one decode step for every decoding sequence (a CUDA-graph replay on
+     CUDA);
+  4. while the device runs it, the scheduler turns the previous step's tokens into text and
+     streams it (a sequence a stop string ends there has its token of the running step dropped);
+  5. the step's tokens are sampled (the one wait on the device); sequences that hit a stop
+     token or their length retire at once.
+
+A failure inside one request fails only that request; a device error (or any error inside a
+batched forward) stops the loop, fails every request, and ``alive()`` turns False with the
+exception in ``.error``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Iterator
+
+import torch
+
+from deployments.engine.config import EngineConfig, prefill_lengths
+from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
+from deployments.engine.runner import ModelRunner, bucket
+from deployments.engine.scheduler import NonFiniteLogits, Scheduler, Seq, is_device_error
+
+__all__ = ["Chunk", "Engine", "EngineConfig", "NonFiniteLogits", "RequestHandle", "SamplingParams",
+           "prefill_lengths"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching engine over ``model`` (the native decoder or the transformers
+    wrapper). See the module docstring for the loop.
+
+    Example:
+        engine = Engine(model, tokenizer, EngineConfig(max_slots=8))
+        engine.start()
+        ids, text, reason = engine.generate(tokenizer.encode("The answer is "), SamplingParams(temperature=0))
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config.resolved(model.max_position_embeddings)
+        self.device = model.device
+        self.vocab_size = model.config.vocab_size
+        self._eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.runner = ModelRunner(model, cfg)
+        self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot)
+        self.capture_lock = self.runner.capture_lock
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ready = threading.Event()  # set by the loop once its first prefills have run
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count(1)
+        self._capture_when_idle = False  # capture_deferred() called
+        self.error: BaseException | None = None
+        self._stats = {"steps": 0, "batched_prefills": 0}
+
+    # ---------------------------------------------------------------- public
+    def start(self) -> None:
+        """Capture the decode step's CUDA graphs (where they are used), start the loop thread and
+        wait until it has run every prefill shape once (``ModelRunner.first_prefills``)."""
+        if self._thread is not None:
+            return
+        self.runner.capture()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise RuntimeError(f"engine loop failed at start: {self.error!r}") from self.error
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request (thread-safe). Raises ValueError for a bad prompt or params,
+        RuntimeError before ``start`` and once the loop has stopped or died."""
+        return self.submit_many([(prompt_ids, params)])[0]
+
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestHandle]:
+        """Queue several requests at once: every one is checked first (nothing is queued if one is
+        bad), then all reach the loop at the same step boundary, so that they are admitted
+        together (fresh prompts of one padded length then share a prefill)."""
+        seqs = [self._seq(ids, params) for ids, params in requests]
+        self.scheduler.add(*seqs)
+        self._wake.set()
+        return [s.handle for s in seqs]
+
+    def _seq(self, prompt_ids: list[int], params: SamplingParams) -> Seq:
+        if self.error is not None:
+            raise RuntimeError(f"engine loop is dead: {self.error!r}")
+        if self._stop.is_set():  # nothing would ever serve it: refuse instead of hanging
+            raise RuntimeError("engine is shut down")
+        if self._thread is None:
+            raise RuntimeError("engine is not started: call Engine.start() before submitting requests")
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one prompt token")
+        prompt = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+                             f"exceeds max_seq_len={self.config.max_seq_len}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs text, but this engine was built without a tokenizer")
+        handle = RequestHandle(next(self._ids), len(prompt), self._wake)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
+        text = TextState(self.tokenizer.incremental_decoder(prompt) if self.tokenizer else None, params.stop)
+        return Seq(handle, prompt, params, text, stops)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+        """Blocking convenience: (token_ids, text, finish_reason)."""
+        return self.submit(prompt_ids, params).result()
+
+    def capture_deferred(self) -> None:
+        """Let the loop thread capture the graphs ``start`` deferred (``lazy_graphs``) whenever it
+        is idle, one batch size at a time, smallest first (a step that needs one first captures
+        it anyway). A replica calls this once warm, from its health check, so that neither its
+        warm-up's requests nor that check wait behind a capture."""
+        if self._capture_when_idle:
+            return
+        self._capture_when_idle = True
+        self._wake.set()
+
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """The prompt-chunk lengths prefill runs at (empty: any length, no padding)."""
+        return self.runner.prefill_lengths
+
+    def alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict:
+        s, r = self.scheduler, self.runner
+        late = dict(r.stats["late_captures"])  # (a copy: the loop thread adds to it)
+        return {"running": len(s.prefilling) + len(s.decoding), "waiting": s.waiting_count(),
+                "free_slots": len(s.free), "graphs": r.graphs(), "graphs_deferred": len(r.deferred),
+                **s.counts, **self._stats, **r.stats, "late_captures": late,
+                "late_capture_s": sum(ms for ms, _ in late.values()) / 1e3}
+
+    def shutdown(self) -> None:
+        """Stop the loop; unfinished requests end with finish_reason "cancelled"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.scheduler.fail_all("cancelled", self.error)
+
+    def __enter__(self) -> "Engine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- the loop
+    def _run(self) -> None:
+        s = self.scheduler
+        try:
+            if self.device.type == "cuda":
+                # a new thread starts on device 0; Triton launches on the current device
+                torch.cuda.set_device(self.device)
+            with torch.inference_mode():
+                self.runner.first_prefills()
+                self._ready.set()
+                while not self._stop.is_set():
+                    s.intake()
+                    if s.idle():
+                        if self._capture_when_idle and self.runner.deferred:  # one size, then look again
+                            self.runner.capture_late(self.runner.deferred[0], "idle")
+                            continue
+                        self._wake.wait(0.1)
+                        self._wake.clear()
+                        continue
+                    s.admit()
+                    self._prefill_turn()
+                    self._decode_step()
+                s.emit_pending()
+        except BaseException as e:  # noqa: BLE001 - the loop must record why it died
+            log.exception("engine loop died")
+            self.error = e
+            self._ready.set()
+            s.fail_all("error", e)
+
+    def _zero_slot(self, slot: int, upto: int) -> None:
+        """A retired sequence's cache positions back to zero: only from the loop thread while it
+        is healthy (after a device error, or from ``shutdown``, nothing more is launched)."""
+        if self.error is None and threading.current_thread() is self._thread:
+            self.runner.zero_slot(slot, min(upto, self.config.max_seq_len))
+
+    def _prefill_turn(self) -> None:
+        s, r = self.scheduler, self.runner
+        budget = self.config.prefill_chunk
+        if r.batched_prefill:
+            group, L = s.fresh_group(budget, r.padded_len)
+            if group:
+                self._prefill_group(group, L)
+                budget -= len(group) * L
+        for seq in list(s.prefilling):
+            if budget <= 0:
+                break
+            logits = None
+            try:
+                while seq.prefilled < len(seq.prompt) and budget > 0:
+                    n = min(self.config.prefill_chunk, len(seq.prompt) - seq.prefilled)
+                    logits, written = r.prefill(seq.prompt[seq.prefilled: seq.prefilled + n], seq.slot, seq.prefilled)
+                    seq.written = max(seq.written, seq.prefilled + written)
+                    seq.prefilled += n
+                    budget -= n
+                    s.counts["prompt_tokens"] += n
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                log.exception("request %d failed in prefill", seq.handle.id)
+                s.finish(seq, "error", e)
+                continue
+            if seq.prefilled == len(seq.prompt):
+                s.prefilled([seq], logits.unsqueeze(0))
+
+    def _prefill_group(self, group: list[Seq], L: int) -> None:
+        """One forward for ``group`` (``Scheduler.fresh_group``); their first tokens are sampled at once."""
+        s = self.scheduler
+        for seq in group:
+            seq.written = max(seq.written, L)
+        try:
+            logits = self.runner.prefill_group([seq.prompt for seq in group], [seq.slot for seq in group], L)
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            log.exception("requests %s failed in prefill", [seq.handle.id for seq in group])
+            for seq in group:
+                s.finish(seq, "error", e)
+            return
+        for seq in group:
+            seq.prefilled = len(seq.prompt)
+            s.counts["prompt_tokens"] += len(seq.prompt)
+        self._stats["batched_prefills"] += 1
+        s.prefilled(group, logits)
+
+    def _decode_step(self) -> None:
+        s = self.scheduler
+        seqs = list(s.decoding)
+        if not seqs:
+            s.emit_pending()
+            return
+        B = bucket(max(seq.slot for seq in seqs) + 1, self.config.graph_batch_sizes)
+        L = bucket(max(seq.pos for seq in seqs) + 1, self.runner.kv_lens)
+        logits = self.runner.decode(B, L, [(seq.slot, seq.last, seq.pos) for seq in seqs])
+        for seq in seqs:
+            seq.pos += 1
+        self._stats["steps"] += 1
+        s.emit_pending()  # the previous step's text, while the device works on this one
+        live = [seq for seq in seqs if seq.slot >= 0]  # a stop string may have ended some just now
+        if not live:
+            return
+        slots = [seq.slot for seq in live]
+        if slots != list(range(B)):  # some rows are padding or ended: pick the live ones
+            logits = logits.index_select(0, torch.tensor(slots, device=self.device))
+        s.sample(live, logits, defer=True)
+
+
+def iter_text(handle: RequestHandle) -> Iterator[str]:
+    """Blocking iteration over a request's text deltas (tests, CLI)."""
+    for chunk in handle:
+        yield chunk.text

@@ -1,0 +1,274 @@
+"""The model runner: the device side of the engine.
+
+It owns the KV cache, the decode step's input buffers and its CUDA graphs, and runs the
+model's prefills and decode steps for the engine's loop thread. It decides nothing about
+which request runs when (``scheduler``), and starts no thread of its own.
+
+Decode: cache slots 0..B-1 in one batch, B rounded up to a graph bucket, keys read up to a
+kv-length bucket (or, through the Triton attention, up to each row's own position, one graph
+per batch size). On CUDA this is a CUDA-graph replay, on the CPU the same code eagerly.
+``capture`` takes the smallest batch size's graphs (``EngineConfig.lazy_graphs``; every batch
+size's otherwise); ``capture_late`` takes another's when a step first needs it or the loop is
+idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from deployments.engine.config import GiB, EngineConfig, prefill_lengths
+
+log = logging.getLogger(__name__)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise AssertionError(f"{n} above the largest bucket {buckets[-1]}")
+
+
+def check_fits(need: int, cfg: EngineConfig, free: int, total: int, device: str) -> None:
+    """Raise ValueError (which knob to lower, needed vs free) if the KV cache does not fit."""
+    if need + cfg.reserve_bytes > free:
+        raise ValueError(
+            f"KV cache needs {need / GiB:.2f} GiB ({cfg.max_slots} slots x {cfg.max_seq_len} tokens) plus "
+            f"{cfg.reserve_bytes / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
+            f"is free on {device}; lower engine.max_slots or engine.max_seq_len (or engine.reserve_bytes)")
+
+
+class ModelRunner:
+    """KV cache, decode inputs, CUDA graphs and the model's forward calls for one engine.
+
+    ``cfg`` is the engine's resolved config. Everything but ``capture_lock`` and ``stats``
+    is used by the engine's loop thread only (and ``capture`` before that thread starts).
+    """
+
+    def __init__(self, model: Any, cfg: EngineConfig):
+        self.model, self.cfg = model, cfg
+        self.device = model.device
+        need = model.cache_bytes(cfg.max_slots, cfg.max_seq_len)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_fits(need, cfg, free, total, str(self.device))
+        log.info("KV cache: %.2f GiB for %d slots x %d tokens", need / GiB, cfg.max_slots, cfg.max_seq_len)
+        model.setup_rope(cfg.max_seq_len)
+        self.cache = model.new_cache(cfg.max_slots, cfg.max_seq_len)
+        # decode inputs: rows = token, position, valid; one host->device copy per step
+        self._inp = torch.zeros(3, cfg.max_slots, dtype=torch.int64, device=self.device)
+        self._stage = torch.zeros(3, cfg.max_slots, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None  # the graphs' shared memory pool (made by the first capture)
+        self.deferred: list[int] = []  # batch sizes whose graphs are not captured yet (lazy_graphs)
+        self._eager_sizes: set[int] = set()  # batch sizes whose late capture ran out of memory
+        # held while capturing: a device-wide synchronize from another thread (the replica's
+        # health check) waits instead of landing inside a capture
+        self.capture_lock = threading.Lock()
+        # the decode steps' key-length bounds (a graph each per batch size): all of kv_len_buckets
+        # where a step reads keys up to the bound, the longest alone where it reads each row's own
+        kv_lens = getattr(model, "decode_kv_lens", None)
+        self.kv_lens = kv_lens(cfg.kv_len_buckets) if kv_lens else cfg.kv_len_buckets
+        self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
+        self.prefill_lengths = (prefill_lengths(cfg.prefill_chunk, cfg.prefill_min_len)
+                                if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
+        # fresh prompts of one padded length share a forward; its head always multiplies the most
+        # rows a group can have, one shape for every group
+        self.batched_prefill = bool(self.prefill_lengths) and getattr(model, "supports_batched_prefill", False)
+        self._logit_rows = max(1, cfg.prefill_chunk // 16)
+        self.stats: dict[str, Any] = {"capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
+                                      "late_captures": {}}
+
+    # ---------------------------------------------------------------- forward calls
+    def padded_len(self, n: int, start: int) -> int:
+        """The length a chunk of ``n`` prompt tokens at ``start`` is run at (``prefill_lengths``)."""
+        for b in self.prefill_lengths:
+            if b >= n:
+                return b if start + b <= self.cfg.max_seq_len else n  # no room: this once, as is
+        return n
+
+    def prefill(self, ids: list[int], slot: int, start: int) -> tuple[torch.Tensor, int]:
+        """One chunk of one prompt into ``slot`` at ``start``: (logits [V] at its last token, the
+        positions written, padding included; those after the prompt are written again by decode)."""
+        n = len(ids)
+        padded = self.padded_len(n, start)
+        if padded > n:
+            chunk = torch.tensor([ids + [0] * (padded - n)], device=self.device)
+            return self.model.prefill(chunk, self.cache, slot, start, n_valid=n), padded
+        return self.model.prefill(torch.tensor([ids], device=self.device), self.cache, slot, start), n
+
+    def prefill_group(self, prompts: list[list[int]], slots: list[int], L: int) -> torch.Tensor:
+        """Whole fresh prompts, each padded to ``L``, in one forward: logits [R, V]."""
+        tokens = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=self.device)
+        return self.model.prefill_batch(tokens, self.cache, slots, [len(p) for p in prompts],
+                                        logit_rows=self._logit_rows)
+
+    def decode(self, B: int, L: int, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One decode step over slots 0..B-1 reading keys up to ``L``; ``rows``: (slot, token,
+        position) of each live sequence. Launched, not waited for: logits [B, V]."""
+        if self.use_graphs and B in self.deferred:  # (stages padding: before this step's inputs)
+            self.capture_late(B, "step")
+        self._stage_inputs(B, rows)
+        if self.use_graphs and B not in self._eager_sizes:
+            g, logits = self._graphs[(B, L)]
+            g.replay()
+            return logits
+        return self._decode_eager(B, L)
+
+    def zero_slot(self, slot: int, upto: int) -> None:
+        self.cache.zero_slot(slot, upto)
+
+    def _stage_inputs(self, B: int, rows: list[tuple[int, int, int]]) -> None:
+        # Padding rows: token 0 at the last cache position, which no live sequence ever
+        # reaches (prompt + max_new_tokens <= max_seq_len and the last token is never fed).
+        # One host tensor and one copy per step: per-element tensor writes cost ~us each.
+        staged = [[0] * B, [self.cfg.max_seq_len - 1] * B, [0] * B]
+        for slot, token, pos in rows:
+            staged[0][slot], staged[1][slot], staged[2][slot] = token, pos, 1
+        self._stage[:, :B] = torch.tensor(staged, dtype=torch.int64)
+        self._inp[:, :B].copy_(self._stage[:, :B], non_blocking=True)
+
+    def _decode_eager(self, B: int, L: int) -> torch.Tensor:
+        inp = self._inp[:, :B]
+        return self.model.decode(inp[0], inp[1], inp[2], self.cache, L)  # valid: 1 live row, 0 padding
+
+    # ---------------------------------------------------------------- first runs
+    def first_prefills(self) -> None:
+        """One prefill at each padded chunk length, into slot 0, run by the loop thread before it
+        serves: the kernels and GEMM algorithms a prompt of that length needs are loaded and
+        chosen now, not in a user's first request. In the loop thread, because that cost is paid
+        per thread (torch's cuBLAS handles are). Only the shapes matter, so this may run while
+        the weights are still loading.
+
+        What ran before serving wrote keys and values computed from such weights (these
+        prefills into slots 0 and 1, the graphs' first launches a padding row into every slot).
+        A masked key still multiplies its value (0 * NaN = NaN), so one non-finite value left
+        there would poison every later request in its slot: the whole cache is zeroed after
+        them (one memset, queued on the device)."""
+        t0 = time.perf_counter()
+        each: dict[int | str, float] = {}
+
+        def timed(key: int | str, run: Any) -> None:
+            t = time.perf_counter()
+            run()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            each[key] = round((time.perf_counter() - t) * 1e3, 2)
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=self.device)
+        for n in self.prefill_lengths:
+            timed(n, lambda: self.model.prefill(zeros(1, n), self.cache, 0, 0))
+        L0 = self.prefill_lengths[0] if self.prefill_lengths else 0
+        if self.batched_prefill and self.cfg.max_slots >= 2 and L0 and not L0 & (L0 - 1) \
+                and 2 * L0 <= self.cfg.prefill_chunk:
+            # and two prompts in one forward: its cache writes by slot, its row gather, its head's one shape
+            timed(f"2x{L0}", lambda: self.model.prefill_batch(zeros(2, L0), self.cache, [0, 1], [L0, L0],
+                                                             logit_rows=self._logit_rows))
+        if self.prefill_lengths or self._graphs:
+            self.cache.zero_()
+        self.stats["first_prefill_s"] = time.perf_counter() - t0
+        self.stats["first_prefill_ms"] = each  # per length: what the first one pays for the thread
+
+    # ---------------------------------------------------------------- graphs
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """The graphs taken before serving: one per (batch bucket, kv-length bound), largest first,
+        sharing one memory pool; with ``lazy_graphs`` the smallest batch size's alone."""
+        if not self.use_graphs:
+            return
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        sizes = cfg.graph_batch_sizes[:1] if cfg.lazy_graphs else cfg.graph_batch_sizes
+        self.deferred = [b for b in cfg.graph_batch_sizes if b not in sizes]
+        self._pool = torch.cuda.graph_pool_handle()
+        self.stats["first_launch_ms"] = self._first_launches(sizes)  # the kernels each size is first to load
+        self.stats["first_launch_s"] = time.perf_counter() - t0
+        self.stats["graphs_uploaded"] = self._upload(self._capture_graphs(sizes))
+        torch.cuda.synchronize(self.device)
+        self.stats["capture_s"] = time.perf_counter() - t0
+        log.info("captured %d decode graphs in %.2f s (%.2f s of it the first eager launches)%s",
+                 len(self._graphs), self.stats["capture_s"], self.stats["first_launch_s"],
+                 f"; batch sizes {self.deferred} deferred" if self.deferred else "")
+
+    def graphs(self) -> int:
+        return len(self._graphs)
+
+    def _first_launches(self, sizes: tuple[int, ...] | list[int]) -> dict[int, float]:
+        """One eager decode step per batch size, every row padding, on a side stream (cuBLAS
+        handles and lazily loaded kernels must precede a capture); ms each."""
+        self._stage_inputs(max(sizes), [])
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        each: dict[int, float] = {}
+        with torch.cuda.stream(side):
+            for B in sizes:
+                t = time.perf_counter()
+                self._decode_eager(B, self.cfg.kv_len_buckets[-1])
+                side.synchronize()
+                each[B] = round((time.perf_counter() - t) * 1e3, 2)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        return each
+
+    def _capture_graphs(self, sizes: tuple[int, ...] | list[int]) -> list[Any]:
+        """Capture each batch size's graphs (one per key-length bound) into the shared pool; the
+        new graphs. The inputs' rows must hold padding (``_first_launches`` staged it)."""
+        new = []
+        for B in sorted(sizes, reverse=True):
+            for L in reversed(self.kv_lens):
+                g = torch.cuda.CUDAGraph()
+                # thread_local: the loader's threads may still be copying weights meanwhile (their
+                # CUDA calls must not invalidate this capture, nor be refused because of it)
+                with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                    out = self._decode_eager(B, L)
+                self._graphs[(B, L)] = (g, out)
+                new.append(g)
+        return new
+
+    def capture_late(self, B: int, why: str) -> None:
+        """Between steps: capture deferred batch size ``B`` (first launch, capture, upload),
+        recorded in stats ``late_captures`` as {B: [ms, why]}. Out of device memory, ``B`` stays
+        eager (logged) instead of failing the loop."""
+        t = time.perf_counter()
+        with self.capture_lock:
+            try:
+                self._first_launches([B])
+                self._upload(self._capture_graphs([B]))
+                torch.cuda.synchronize(self.device)
+            except torch.OutOfMemoryError as e:
+                for L in self.kv_lens:
+                    self._graphs.pop((B, L), None)
+                self._eager_sizes.add(B)
+                log.warning("no CUDA graph for batch size %d (%s): its steps run eagerly", B, e)
+            finally:
+                # only now: graphs_deferred counts the sizes whose capture has not ended
+                self.stats["late_captures"][B] = [round((time.perf_counter() - t) * 1e3, 2), why]
+                self.deferred.remove(B)
+
+    def _upload(self, graphs: list[Any]) -> int:
+        """Upload ``graphs`` to the device now; how many were. A graph not uploaded is uploaded by
+        its first launch, which would be a user's decode step (the warm-up replays only its own
+        batch sizes' graphs). Needs the graph's executable handle (torch >= 2.9) and torch's
+        libcudart; 0 without."""
+        from weights.cudart import CudaError, CudaRT
+
+        if not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+            return 0
+        rt = CudaRT.shared()
+        if rt is None:
+            return 0
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        n = 0
+        for g in graphs:
+            try:
+                rt.graph_upload(g.raw_cuda_graph_exec(), stream)
+            except (CudaError, RuntimeError) as e:  # nothing lost: the first launch uploads it
+                log.info("CUDA graphs not uploaded ahead (%s): each one's first launch does it", e)
+                break
+            n += 1
+        return n

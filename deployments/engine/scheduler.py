@@ -1,0 +1,279 @@
+"""The scheduler: which request runs when, and what becomes of its tokens.
+
+It owns the requests' queues and the KV-cache slots: new submissions and cancellations are
+taken at a step boundary (``intake``); waiting requests get free slots, lowest first, so the
+live slots stay packed at the front and the decode batch stays small (``admit``); fresh
+prompts that pad to one length share one forward (``fresh_group``). After the device has run
+a step it samples each sequence's token, retires sequences that hit a stop token or their
+length at once, and turns tokens into text, checking stop strings (``sample``, ``emit_pending``).
+Only the engine's loop thread calls it, but for ``add``.
+
+A failure inside one request's sampling or detokenizing fails only that request; a device
+error is re-raised for the loop to stop on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
+from deployments.engine.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+def is_device_error(e: BaseException) -> bool:
+    """A failure of the device itself, which stops the loop (one request's bad input does not);
+    torch raises CUDA failures as RuntimeError (torch.AcceleratorError in newer releases)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    return type(e).__name__ == "AcceleratorError" or "CUDA" in str(e) or "cuda" in type(e).__module__
+
+
+class NonFiniteLogits(RuntimeError):
+    """A request's logits held NaN or inf: the request fails, with this message, instead of
+    streaming the arbitrary tokens an argmax over them picks."""
+
+
+class Seq:
+    """Engine-side state of one request (touched only by the loop thread)."""
+
+    __slots__ = ("handle", "prompt", "params", "slot", "prefilled", "pos", "written", "last", "n_gen", "text", "gen",
+                 "stops")
+
+    def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
+        self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
+        self.slot = -1
+        self.prefilled = 0  # prompt tokens in the cache
+        self.pos = 0  # next cache position to write (tokens in the cache)
+        self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
+        self.last = -1  # last sampled token, fed at `pos` by the next decode step
+        self.n_gen = 0
+        self.gen: torch.Generator | None = None
+
+
+class Scheduler:
+    """Queues and slots of one engine. ``zero_slot(slot, upto)`` clears what a retired sequence
+    wrote in the cache (the engine passes the runner's, or nothing once the device failed)."""
+
+    def __init__(self, max_slots: int, device: torch.device, zero_slot: Callable[[int, int], None]):
+        self.device = device
+        self._zero_slot = zero_slot
+        self.free = list(range(max_slots))  # min-heap: lowest slot first keeps the batch packed
+        self.inbox: deque[Seq] = deque()
+        self.waiting: deque[Seq] = deque()
+        self.prefilling: list[Seq] = []
+        self.decoding: list[Seq] = []
+        self.pending: list[tuple[Seq, int, str | None]] = []  # sampled, text not emitted yet
+        self.lock = threading.Lock()
+        self.counts = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0}
+
+    # ---------------------------------------------------------------- queues
+    def add(self, *seqs: Seq) -> None:
+        """Queue new requests (any thread); the loop takes them at one step boundary."""
+        with self.lock:
+            self.inbox.extend(seqs)
+
+    def intake(self) -> None:
+        """New requests join the waiting queue; cancelled ones end (their slots are freed)."""
+        with self.lock:
+            while self.inbox:
+                self.waiting.append(self.inbox.popleft())
+        for s in [s for s in self.waiting if s.handle.cancelled]:
+            self.waiting.remove(s)
+            self.finish(s, "cancelled")
+        for s in [s for s in self.prefilling + self.decoding if s.handle.cancelled]:
+            self.finish(s, "cancelled")
+
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.decoding or self.pending)
+
+    def admit(self) -> None:
+        while self.waiting and self.free:
+            s = self.waiting.popleft()
+            s.slot = heapq.heappop(self.free)
+            s.handle.admitted_at = time.perf_counter()
+            self.prefilling.append(s)
+
+    def waiting_count(self) -> int:
+        with self.lock:
+            return len(self.inbox) + len(self.waiting)
+
+    def fresh_group(self, chunk: int, padded_len: Callable[[int, int], int]) -> tuple[list[Seq], int]:
+        """Prompts to prefill in one forward: the first fresh prompt that fits one chunk and the
+        next ones of its padded length L, as many as make a number of rows R, a power of two,
+        with R x L <= chunk. Every matrix product then has R x L rows, a length the engine ran
+        before serving (prefill lengths are powers of two), so no first-time cost reaches a
+        request. ([], 0) when there is no such pair of prompts."""
+        fresh = [s for s in self.prefilling if s.prefilled == 0 and len(s.prompt) <= chunk]
+        if len(fresh) < 2:
+            return [], 0
+        L = padded_len(len(fresh[0].prompt), 0)
+        if L & (L - 1):  # chunk itself, not a power of two: alone
+            return [], 0
+        same = [s for s in fresh if padded_len(len(s.prompt), 0) == L]
+        R = 1
+        while R * 2 <= len(same) and R * 2 * L <= chunk:
+            R *= 2
+        return (same[:R], L) if R > 1 else ([], 0)
+
+    # ---------------------------------------------------------------- after a forward
+    def prefilled(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """Sequences whose whole prompt is in the cache start decoding; logits [R, V] (row j for
+        seqs[j], at its last prompt token) give their first tokens, which stream now."""
+        rows = []
+        for j, s in enumerate(seqs):
+            self.prefilling.remove(s)
+            s.pos = len(s.prompt)
+            try:
+                s.gen = _generator(s.params, self.device)
+            except Exception as e:  # one request's setting must not stop the loop
+                if is_device_error(e):
+                    raise
+                log.exception("request %d failed: its sampling generator", s.handle.id)
+                self.finish(s, "error", e)
+                continue
+            self.decoding.append(s)
+            rows.append(j)
+        if len(rows) < len(seqs):
+            seqs = [seqs[j] for j in rows]
+            logits = logits[rows]
+        if seqs:
+            self.sample(seqs, logits, defer=False)
+
+    def sample(self, seqs: list[Seq], logits: torch.Tensor, defer: bool) -> None:
+        """Sample each sequence's next token from logits [R, V] (row j for seqs[j]); ``defer``:
+        keep its text for ``emit_pending`` (which runs while the device works on the next step)."""
+        args = ([s.params.temperature for s in seqs], [s.params.top_p for s in seqs], [s.params.top_k for s in seqs])
+        try:
+            toks: list[int | None] = sample(logits, *args, [s.gen for s in seqs])
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            toks = self._sample_one_by_one(seqs, logits, args)
+        for s, tok in zip(seqs, toks):
+            if tok is None:
+                if not s.handle.done and s.slot >= 0:  # (None from a failed row: finished already)
+                    log.error("request %d: non-finite logits at generated token %d", s.handle.id, s.n_gen + 1)
+                    self.finish(s, "error", NonFiniteLogits(
+                        f"the model's logits were not finite (NaN or inf) at generated token {s.n_gen + 1}: "
+                        f"it overflowed its dtype ({logits.dtype}) on this prompt; a float16 checkpoint "
+                        f"may need packing as bfloat16 (coldstart pack --dtype bfloat16)"))
+                continue
+            reason = self._take(s, tok)
+            if defer:
+                if reason is not None:  # decided now: the next step must not run this sequence
+                    self._retire(s)
+                self.pending.append((s, tok, reason))
+            else:
+                self._emit_safely(s, tok, reason)
+
+    def _sample_one_by_one(self, seqs: list[Seq], logits: torch.Tensor, args: tuple) -> list[int | None]:
+        """Find the row at fault: sample each on its own, failing only the bad ones (None)."""
+        toks: list[int | None] = []
+        for j, s in enumerate(seqs):
+            try:
+                toks.extend(sample(logits[j: j + 1], *[[a[j]] for a in args], [s.gen]))
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                log.exception("request %d failed in sampling", s.handle.id)
+                self.finish(s, "error", e)
+                toks.append(None)
+        return toks
+
+    def _take(self, s: Seq, tok: int) -> str | None:
+        """Record a sampled token; "stop" / "length" when it ends the sequence without looking at
+        text (stop strings are found when the text is made)."""
+        s.last = tok
+        s.n_gen += 1
+        self.counts["tokens_generated"] += 1
+        s.handle._mark_token()
+        if tok in s.stops:
+            return "stop"
+        return "length" if s.n_gen >= s.params.max_new_tokens else None
+
+    def emit_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for s, tok, reason in pending:
+            if not s.handle.done:  # not cancelled or failed since it was sampled
+                self._emit_safely(s, tok, reason)
+
+    def _emit_safely(self, s: Seq, tok: int, reason: str | None) -> None:
+        try:
+            self._emit(s, tok, reason)
+        except Exception as e:  # one request's text failed: only that request ends
+            log.exception("request %d failed after sampling", s.handle.id)
+            self.finish(s, "error", e)
+
+    def _emit(self, s: Seq, tok: int, reason: str | None) -> None:
+        """Detokenize one token, check stop strings, stream it or finish the request."""
+        if reason == "stop":
+            text = s.text.finish(stopped=True)  # the stop token's text is not returned
+        else:
+            text, hit = s.text.push(tok)
+            if hit:
+                reason = "stop"
+            elif reason == "length":
+                text += s.text.finish(stopped=False)
+        if reason is None:
+            s.handle._put(Chunk([tok], text, None))
+        else:
+            self.finish(s, reason, token=tok, text=text)
+
+    # ---------------------------------------------------------------- endings
+    def _retire(self, s: Seq) -> None:
+        """Stop scheduling ``s`` and free its cache slot (its last chunk may still be pending).
+
+        The positions it wrote are zeroed first (one fill, queued behind its last step): a
+        multi-row decode step reads every key of its length bucket, masked ones included, and a
+        masked key still multiplies its value (0 * NaN = NaN). A request whose keys or values
+        overflowed (fp16) would otherwise leave non-finite values behind, and every later
+        request in that slot would decode garbage."""
+        for lst in (self.prefilling, self.decoding):
+            if s in lst:
+                lst.remove(s)
+        if s.slot >= 0:
+            upto = max(s.written, s.pos)
+            if upto:
+                self._zero_slot(s.slot, upto)
+            heapq.heappush(self.free, s.slot)
+            s.slot = -1
+
+    def finish(self, s: Seq, reason: str, error: BaseException | None = None, *, token: int | None = None,
+               text: str = "") -> None:
+        try:
+            self._retire(s)  # (a device error here still ends the request, then the loop)
+        finally:
+            self.counts["finished"] += 1
+            s.handle._put(Chunk([] if token is None else [token], text, reason), error=error)
+
+    def fail_all(self, reason: str, error: BaseException | None) -> None:
+        """End every request not finished yet (the loop stopped or died)."""
+        with self.lock:
+            pending = list(self.inbox) + list(self.waiting) + self.prefilling + self.decoding
+            pending += [s for s, _, _ in self.pending if s not in pending]
+            self.inbox.clear()
+        self.pending = []
+        self.waiting.clear()
+        for s in pending:
+            if not s.handle.done:
+                self.finish(s, reason, error)
+
+
+def _generator(p: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if p.temperature == 0:
+        return None
+    g = torch.Generator(device=device)
+    if p.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(p.seed)
+    return g

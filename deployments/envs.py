@@ -1,0 +1,79 @@
+"""Every environment variable coldstart reads, in one place: name, type, default, what it does.
+
+Read one with ``envs.read("COLDSTART_TRITON")``; code elsewhere never calls ``os.environ``
+for these. ``docs/configuration.md`` lists them from ``VARS`` (``deployments.tools.reference``).
+A value that does not parse is a ``ValueError`` naming the variable and what it takes, raised
+where it is read (in a replica: its constructor or the worker setup hook's first step), never a
+silent fallback. Imports nothing heavy: the worker setup hook reads these before torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _flag(name: str, v: str) -> bool:
+    s = v.strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"{name}={v!r}: give 1 or 0 (or true / false)")
+
+
+def _text(name: str, v: str) -> str:
+    return v.strip()
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: str
+    parse: Callable[[str, str], Any]
+    doc: str
+    kind: str  # what the value is, for the reference page
+
+
+VARS: dict[str, Var] = {v.name: v for v in (
+    Var("COLDSTART_HOME", "", _text, "Directory a relative `args.model` is taken from (default: where "
+        "`serve run` was started).", "path"),
+    Var("COLDSTART_TRITON", "1", _flag, "0 turns the Triton decode kernels off: every decode step runs "
+        "torch's kernels (slower per token; nothing is compiled).", "0 / 1"),
+    Var("COLDSTART_EARLY_IMPORT", "1", _text, "What the worker setup hook (`deployments.startup.early.hook`) "
+        "imports beside Ray's start of the worker: 1 the engine's modules, 0 nothing, or a "
+        "comma-separated list of modules.", "1 / 0 / list"),
+    Var("COLDSTART_BYTECODE_CACHE", "", _text, "Where a replica keeps compiled Python modules when its "
+        "interpreter keeps none (`PYTHONDONTWRITEBYTECODE=1` and packages without .pyc files): empty for "
+        "`coldstart-bytecode/` beside Triton's kernel cache, 0 for nowhere, or a directory.", "path / 0"),
+    Var("COLDSTART_PAUSE_GC", "1", _flag, "0 leaves Python's garbage collector on during a replica's start "
+        "(by default it is paused from the setup hook until the replica is warm, then what the start made "
+        "is frozen).", "0 / 1"),
+    Var("COLDSTART_PRIME", "1", _flag, "0 skips running the engine's torch kernels once through a one-layer "
+        "model on a side thread while the replica builds its model.", "0 / 1"),
+    Var("COLDSTART_GIL_SWITCH", "1", _flag, "0 keeps Python's default 5 ms thread switch interval while the "
+        "engine is built beside the load (by default 0.5 ms, so the loader's threads get the GIL back "
+        "sooner).", "0 / 1"),
+    Var("CUDA_MODULE_LOADING", "LAZY", _text, "CUDA's own: LAZY (serve_config.yaml sets it, and torch's "
+        "default) loads each kernel at its first use, so a context is made in ~0.4 s instead of seconds; a "
+        "replica warns where it is anything else.", "LAZY / EAGER"),
+    Var("TRITON_INTERPRET", "0", _flag, "Triton's own: 1 runs Triton kernels in its interpreter, on CPU "
+        "tensors (the tests' way of running the decode kernels without a GPU).", "0 / 1"),
+    Var("TRITON_HOME", "", _text, "Triton's own: its cache lives in `TRITON_HOME/.triton/cache` where "
+        "TRITON_CACHE_DIR is unset (default: the home directory).", "path"),
+    Var("TRITON_CACHE_DIR", "", _text, "Triton's own: where compiled kernels are kept (default "
+        "`~/.triton/cache`). coldstart keeps its kernel verdicts and bytecode cache beside them; mount a "
+        "volume here so that a new container finds them.", "path"),
+)}
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of variable ``name`` (one of ``VARS``) in ``env`` (default ``os.environ``);
+    its default where unset or empty. Raises ``ValueError`` naming the variable for a bad value."""
+    var = VARS[name]
+    raw = (os.environ if env is None else env).get(name, "")
+    return var.parse(name, raw if raw.strip() else var.default)

@@ -1,0 +1,121 @@
+"""Building the serving model from a packed model's tensors: no copy of the weights.
+
+``build_model`` picks the native decoder (``llama.Transformer``) for the architectures it
+computes exactly (``config.is_native``) and transformers' own class otherwise
+(``hf_fallback``). The native one is built on the meta device and the given tensors are
+*assigned*, so its parameters stay views into the loader's one device buffer; q/k/v and
+gate/up are fused into one matrix each where the packer laid them back to back (a view, no
+copy); the decode kernels are chosen by ``deployments.kernels.policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from deployments.kernels import policy
+from deployments.model.config import ModelConfig, is_native
+from deployments.model.fused import fuse_projections
+from deployments.model.llama import Transformer
+
+log = logging.getLogger(__name__)
+
+
+def gemv_groups(model: Transformer) -> dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """The model's batch-1 projections by weight shape, named after their roles (qkv, o_proj,
+    gate_up, down_proj, lm_head), each with its (weight, bias) in every layer: what
+    ``kernels.policy.gemv_choice`` times. Weights with strided rows are left out."""
+    groups: dict[tuple[int, int], dict] = {}
+
+    def add(name: str, w: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        if w is not None and w.stride(1) == 1:
+            g = groups.setdefault(tuple(w.shape), {"names": [], "pairs": []})
+            if name not in g["names"]:
+                g["names"].append(name)
+            g["pairs"].append((w, b))
+    for la in model.model.layers:
+        at, mlp = la.self_attn, la.mlp
+        add("qkv", at.qkv_w, at.qkv_b)
+        add("o_proj", at.o_proj.weight, at.o_proj.bias)
+        add("gate_up", mlp.gate_up_w, mlp.gate_up_b)
+        add("down_proj", mlp.down_proj.weight, mlp.down_proj.bias)
+    add("lm_head", model.lm_head.weight, None)
+    return {"+".join(g["names"]): g["pairs"] for g in groups.values()}
+
+
+def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None) -> Transformer:
+    """Build the native decoder on meta and assign `tensors` (HF names) as its parameters.
+
+    Raises ValueError listing missing, unexpected and mis-shaped tensors.
+    """
+    t_start = time.perf_counter()
+    cfg = ModelConfig.from_hf(config)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = _expected_shapes(model)
+    given = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF checkpoints
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = sorted(k for k in expected if k not in given and k not in optional)
+    unexpected = sorted(k for k in given if k not in expected)
+    misshaped = sorted(
+        f"{k}: expected {list(expected[k])}, given {list(given[k].shape)}"
+        for k in expected
+        if k in given and tuple(given[k].shape) != expected[k]
+    )
+    if missing or unexpected or misshaped:
+        parts = []
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
+        raise ValueError(f"{cfg.architecture} weights do not match config.json: " + " | ".join(parts))
+    devices = {t.device for t in given.values()}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    dtypes = {t.dtype for t in given.values()}
+    if len(dtypes) > 1:
+        log.warning("checkpoint mixes dtypes %s; the model computes in the embedding's dtype", sorted(map(str, dtypes)))
+    # Assign, never copy: each parameter becomes the given tensor (a view of the loader's buffer).
+    for name in expected:
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        mod_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(mod_name), leaf, nn.Parameter(given[name], requires_grad=False))
+    if cfg.tie_word_embeddings:  # HF ties even when lm_head.weight is stored
+        model.lm_head.weight = model.model.embed_tokens.weight
+    fused = fuse_projections(model)
+    log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
+    model.build_s["assemble"] = time.perf_counter() - t_start
+    c = model.config
+    model.kernels = policy.choose((c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                                   c.head_dim), model.dtype, model.device, lambda: gemv_groups(model),
+                                  one_dtype=all(t.dtype == model.dtype for t in model.parameters()))
+    model.build_s.update(model.kernels.seconds)
+    log.info("decode kernels: %s", model.kernels.describe())
+    model.eval()
+    model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
+    return model
+
+
+def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Build the serving model for `config` (an HF config.json dict) from `tensors` (HF names).
+
+    Llama / Mistral / Qwen2 get the native decoder; any other `architectures[0]`
+    is served through transformers' own class (slower start, logged).
+
+    Example:
+        model = build_model(json.load(open(d / "config.json")), safetensors.torch.load_file(f, device="cuda"))
+    """
+    if is_native(config):
+        return build_native(config, tensors)
+    from deployments.model.hf_fallback import build_hf_model  # imports transformers: only on this path
+
+    return build_hf_model(config, tensors)

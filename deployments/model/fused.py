@@ -1,0 +1,66 @@
+"""Fused projections as views: q/k/v and gate/up as one matrix each, where the packer laid
+their weights back to back in the loader's buffer (no copy; one matmul instead of three)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def adjacent_view(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``ts`` stacked along dim 0 as ONE view, if they lie back to back in one storage.
+
+    No copy is ever made: None when they are not adjacent (other loaders, padding
+    between small tensors), and the caller keeps the separate matmuls.
+    """
+    first = ts[0]
+    base = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for t in ts:
+        if (t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != base or t.data_ptr() != end or end == 0):
+            return None
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in ts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def _bias(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if ts[0] is None:
+        return None
+    # biases are 4 KiB-padded apart in a packed file; a few KB per layer, so a copy is fine
+    # (refresh_copies makes it again when the weights' bytes arrive after the build)
+    return adjacent_view(ts) if adjacent_view(ts) is not None else torch.cat(ts)
+
+
+def refresh_copies(model: Any) -> int:
+    """Copy again, in place, what the build copied out of the weights (fused biases that
+    were not adjacent), for a model built over a buffer that was still loading. In place,
+    because captured CUDA graphs hold these tensors' addresses. Returns how many."""
+    n = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for fused, parts in ((a.qkv_b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+                             (m.gate_up_b, [m.gate_proj.bias, m.up_proj.bias])):
+            if fused is not None and adjacent_view(parts) is None:
+                fused.copy_(torch.cat(parts))
+                n += 1
+    return n
+
+
+def fuse_projections(model: Any) -> int:
+    """Point every layer's fused q/k/v and gate/up weights at adjacent views; returns how
+    many of the 2 x layers matrices could be fused."""
+    n = 0
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv_w = adjacent_view([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        if a.qkv_w is not None:
+            a.qkv_b = _bias([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            n += 1
+        m.gate_up_w = adjacent_view([m.gate_proj.weight, m.up_proj.weight])
+        if m.gate_up_w is not None:
+            m.gate_up_b = _bias([m.gate_proj.bias, m.up_proj.bias])
+            n += 1
+    return n

@@ -1,0 +1,122 @@
+"""A replica's lifecycle as a plain class: start, warm-up, health, stats, shutdown.
+
+``LLMServer`` has the shape Ray Serve expects but needs no Ray: tests and tools build it
+directly. Its constructor runs the replica's start (``deployments.server.start``: one list of
+timed steps); ``reconfigure(user_config)`` runs the warm-up plan through the same path as
+requests, and only then does ``check_health`` pass, so Ray routes traffic to warm replicas
+only. The HTTP front (``deployments.server.http``) is built over it; ``deployments.app`` adds
+the deployment options.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from deployments.config import DeploymentArgs, UserConfig, parse
+from deployments.server.metrics import Metrics
+from deployments.server.start import Start
+from weights.timing import PhaseTimer
+
+log = logging.getLogger("coldstart.server")
+
+WARMUP_SEED = "The answer is forty-two. " * 8
+
+
+class NotWarm(RuntimeError):
+    pass
+
+
+class LLMServer:
+    """A replica: one model on one device.
+
+    Args (keyword, as serve_config.yaml's ``args``): see ``DeploymentArgs``. ``metrics``: where
+    phases and request figures go (``Metrics(use_ray=True)`` inside Ray). ``own_process``: the
+    process is the replica's own (a Ray worker: ``deployments.server.start.Start``). ``start``:
+    what makes the replica's engine (``Start`` by default; tests pass one that builds no model).
+    """
+
+    def __init__(self, model: str = "weights/demo", *, model_name: str | None = None, device: str = "auto",
+                 engine: dict | None = None, load: dict | None = None, http: dict | None = None,
+                 fault_injection: bool = False, metrics: Metrics | None = None, own_process: bool = False,
+                 start: Callable[..., Any] = Start):
+        self.started_at = time.time()  # Unix times of the start-up milestones, for /stats
+        self.warm_at: float | None = None
+        self._t0 = time.perf_counter()
+        self.args = parse(DeploymentArgs, {
+            "model": model, "model_name": model_name, "device": device, "engine": engine or {},
+            "load": load or {}, "http": http or {}, "fault_injection": fault_injection}, "args")
+        self.replica_id = f"{socket.gethostname()}:{os.getpid()}"  # every response says which replica answered
+        self.metrics = metrics or Metrics()
+        self.timer = PhaseTimer(sinks=[self.metrics.phase])
+        self.warm = False
+        self.warmups = 0
+        self.started = start(self.args, self.timer, own_process=own_process).run()
+        self.engine, self.tokenizer, self.model = self.started.engine, self.started.tokenizer, self.started.model
+        self.device, self.loaded = self.started.device, self.started.loaded
+        self.model_name = self.args.model_name or self.args.model_path().name
+
+    def reconfigure(self, user_config: dict | None) -> None:
+        """Run the warm-up plan; the replica is warm (and healthy) only after the first one.
+
+        A later call (the plan changed) re-warms while the replica keeps serving: its weights
+        and engine are loaded, and the router may still send it requests while it is being
+        updated, so it must not turn them away."""
+        from deployments.engine.warmup import run_warmup
+        first, ok = not self.warm, False
+        try:
+            plan = parse(UserConfig, user_config, "user_config").warmup
+            with self.timer.phase("warmup"):
+                seed = self.tokenizer.encode(WARMUP_SEED, add_special_tokens=False) or [3]
+                run_warmup(self.engine, plan, seed)
+            if plan.hold_s and first:
+                time.sleep(plan.hold_s)
+            ok = True
+        finally:
+            if first:  # the start's own end: its garbage-collector pause (Start.finish)
+                self.started.finish(warm=ok)
+        self.warmups += 1
+        if first:
+            self.warm = True
+            self.warm_at = time.time()
+            self.timer.record("total", time.perf_counter() - self._t0)
+
+    def check_health(self) -> None:
+        """Cheap; raises when not warm, when the engine loop died, or on a GPU error."""
+        from deployments.device import device_error
+        if not self.warm:
+            raise NotWarm("replica is not warm yet")
+        if not self.engine.alive():
+            raise RuntimeError(f"engine loop is not running: {self.engine.error!r}")
+        with self.engine.capture_lock:  # its device-wide synchronize never lands inside a capture
+            err = device_error(self.device)
+        if err:
+            raise RuntimeError(err)
+        self.metrics.sample_gpu(self.device)
+        # The graphs of the batch sizes the warm-up did not use (engine.lazy_graphs): captured by
+        # the engine's loop whenever it is idle from the first health check that passed on. Not
+        # at the end of the warm-up: Ray's first health check comes right after it, and would
+        # wait for a capture under way, holding the replica's RUNNING back.
+        self.engine.capture_deferred()
+
+    def fault(self, kind: str) -> None:
+        """Drills (``args.fault_injection``): stop the engine loop, as a crashed one would be."""
+        log.warning("fault injection (%s): stopping the engine loop", kind)
+        self.engine.shutdown()
+
+    def stats(self) -> dict:
+        """What ``GET /stats`` answers: start-up milestones and phases, request counts, the engine."""
+        from deployments import IMPORTED_AT
+        from deployments.device import process_start_time
+        from deployments.startup import early
+        return {"warm": self.warm, "replica": self.replica_id, "model": self.model_name,
+                "process_started_at": process_start_time(), "imported_at": IMPORTED_AT,
+                "early_import": early.times(), "gc": early.gc_state(),
+                "constructor_started_at": self.started_at, "warm_at": self.warm_at,
+                "engine": self.engine.stats(), **self.metrics.snapshot()}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,233 @@
+"""A replica's start: one ordered list of named, timed steps (``Start.steps``).
+
+Each step is a phase of the replica's ``PhaseTimer`` (the ``[METRIC]`` log lines, ``/stats`` and
+Ray's metrics). This module, with Ray's worker setup hook (``deployments.startup.early``), is the
+only code that starts side threads, touches Python's garbage collector, or holds and releases
+the bulk read of the weights; the engine, the model and the kernels know nothing of them.
+
+On a GPU with a native model the engine is built while the weights' bytes arrive: the model,
+the kernels' self-tests, the KV cache and the CUDA graphs need the weights' shapes and
+addresses, never their values, so the start costs the longer of the two, not their sum.
+Nothing reads a weight before the load has finished and every checksum matched (``load_wait``);
+a corrupt file still fails the replica. When most of the weights are not in the page cache, a
+helper reads them one piece at a time from the first step (the trickle), and the loader's bulk
+read waits until the engine is built: the build's first kernel launches fault in pages of
+CUDA's, torch's and Triton's libraries, and behind a bulk read of the same disk they would wait
+for all of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from deployments import envs
+from deployments.config import DeploymentArgs
+from deployments.startup import early
+from weights.readahead import is_cold, stop_trickle, trickle
+from weights.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+# While the engine is built beside the load, the build (Python-heavy: kernel launches, graph
+# capture) would keep the GIL for the default 5 ms each time a loader thread asks for it back,
+# several times per piece it reads; 0.5 ms bounds that wait
+_OVERLAP_SWITCH_S = 0.0005
+
+
+@dataclass
+class Step:
+    name: str
+    run: Callable[[], None]
+    when: Callable[[], bool] = lambda: True
+
+
+class Start:
+    """One replica's start from ``args``; ``run()`` returns when the engine serves (not yet warm:
+    ``reconfigure`` warms it). ``own_process``: the process is the replica's own (a Ray worker),
+    so it may keep compiled modules per node and pause the garbage collector until ``finish``."""
+
+    def __init__(self, args: DeploymentArgs, timer: PhaseTimer, *, own_process: bool = False):
+        self.args, self.timer, self.own_process = args, timer, own_process
+        self.path = args.model_path()
+        self.opts = args.load
+        self.device: Any = None
+        self.pending: Any = None  # the load under way (weights.loader.PendingLoad)
+        self.loaded: Any = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.engine: Any = None
+        self.trickling = False
+        self.overlap = False  # the engine is built while the weights arrive
+        self.side: dict[str, Any] = {}  # the side threads' tasks (deployments.startup.side.SideTask)
+
+    def steps(self) -> list[Step]:
+        return [
+            Step("imports", self.imports),            # trickle, side threads, torch and the engine's modules
+            Step("context", self.context),            # the device, its preflight checks and its CUDA context
+            Step("alloc", self.alloc),                # one device buffer and its views; the reads begin (or wait)
+            Step("load_first", self.wait_for_weights, lambda: not self.overlap),  # a model built after its load
+            Step("engine_model", self.build_model),   # the decoder over the buffer's views, its kernels chosen
+            Step("engine_tokenizer", self.read_tokenizer),
+            Step("engine_kv_cache", self.make_engine),
+            Step("engine_graphs", self.start_engine),  # first launches, graph capture, first prefills
+            Step("load_wait", self.wait_for_weights, lambda: self.loaded is None),  # what the build did not hide
+        ]
+
+    def run(self) -> "Start":
+        if self.own_process:
+            early.pause_gc()
+        t0 = time.perf_counter()
+        try:
+            for step in self.steps():
+                if not step.when():
+                    continue
+                with self.timer.phase(step.name), self._gil_switch(step.name):
+                    step.run()
+        except BaseException:
+            self.abort()
+            raise
+        self.timer.record("engine", sum(self.timer.get(n).seconds for n in
+                                        ("engine_model", "engine_tokenizer", "engine_kv_cache", "engine_graphs")))
+        self.timer.record("constructor", time.perf_counter() - t0)
+        return self
+
+    def finish(self, warm: bool) -> None:
+        """After the first warm-up: what the start made lives as long as the process, so it is
+        moved out of the garbage collector's generations (never walked again) and a paused
+        collector turned back on; a warm-up that failed turns it back on without freezing."""
+        if not self.own_process:
+            return
+        if early.gc_paused():
+            early.resume_gc(freeze=warm)
+        elif warm:
+            gc.freeze()
+
+    def abort(self) -> None:
+        """A step failed: let the loader's threads end (a held load reads nothing), stop the
+        trickle and the engine, turn the collector back on; the step's error is the one raised."""
+        if self.pending is not None and self.loaded is None:
+            self.pending.cancel()
+            with contextlib.suppress(BaseException):
+                self.pending.wait()
+        stop_trickle(self.path)
+        if self.engine is not None:
+            self.engine.shutdown()
+        early.resume_gc(freeze=False)
+
+    # ---------------------------------------------------------------- steps
+    def imports(self) -> None:
+        from deployments.device import gpu_expected
+        from deployments.startup import context, triton_setup
+        gpu = gpu_expected(self.args.device)
+        self.trickling = gpu and self._start_trickle()
+        if self.own_process:
+            from deployments.startup import bytecode
+            bytecode.enable()
+        self.side["context"] = context.start(self.args.device)
+        self.side["triton"] = triton_setup.start(self.args.device)
+        with self.timer.phase("imports_torch"):
+            import torch  # noqa: F401  (what the minimal replica pays too)
+        import deployments.engine.engine  # noqa: F401
+        import deployments.model  # noqa: F401
+        import weights.loader  # noqa: F401
+
+    def _start_trickle(self) -> bool:
+        """Read weights that are mostly not in the page cache one piece at a time from now on
+        (``load.trickle``; O_DIRECT reads would not use what it read)."""
+        o = self.opts
+        if not o.trickle or o.direct_io or o.cold_direct_io or not is_cold(self.path):
+            return False
+        started = trickle(self.path, o.trickle_read_bytes) is not None
+        if started:
+            log.info("%s: weights not in the page cache; reading them one piece at a time until the engine "
+                     "is built", self.path)
+        return started
+
+    def context(self) -> None:
+        from deployments.device import check_env, choose_device, create_context
+        for w in check_env():
+            log.warning(w)
+        self.device = choose_device(self.args.device)
+        ahead = self.side.pop("context", None)
+        if ahead is not None and self.device.type == "cuda":
+            ahead.wait()
+            if ahead.result is not None:
+                log.info("CUDA context not made ahead: %s", ahead.result)
+            elif ahead.seconds is not None:
+                self.timer.record("context_ahead", ahead.seconds)  # of the imports' time, on a side thread
+        log.info("runtime: %s", create_context(self.device))
+
+    def alloc(self) -> None:
+        from deployments.model import is_native
+        from weights.loader import start_load
+        if not (self.path / "model.cst").is_file():
+            raise FileNotFoundError(
+                f"{self.path}: no packed model here (model.cst missing); make one with `coldstart pack HF_DIR "
+                f"{self.path}`, or run `coldstart serve` for the demo")
+        self._t_load = time.perf_counter()
+        self.pending = start_load(self.path, self.device, options=self.opts, timer=self.timer, hold=self.trickling)
+        native = is_native(self.pending.config)
+        # transformers' classes may copy the weights as they take them: only a native model is
+        # built beside its load
+        self.overlap = self.pending.background and native
+        embed = self.pending.tensors.get("model.embed_tokens.weight")
+        if native and embed is not None and self.device.type == "cuda" and envs.read("COLDSTART_PRIME"):
+            from deployments.startup import prime
+            self.side["prime"] = prime.start(self.pending.config, self.device, embed.dtype)
+
+    def wait_for_weights(self) -> None:
+        """Release a held load and wait for its last byte and checksum; record the load's own
+        duration and rate from its start (whatever ran beside it)."""
+        self.loaded = self.pending.wait()  # (the loader stops the trickle as its reads begin)
+        self.timer.record("load", self.pending.finished_at - self._t_load, self.loaded.nbytes)
+        if self.pending.held_s:
+            self.timer.record("load_held", self.pending.held_s)  # of it, the bulk read's wait for the build
+        if self.model is not None:
+            self.model.weights_loaded()
+
+    def build_model(self) -> None:
+        from deployments.model import build_model
+        triton = self.side.pop("triton", None)
+        if triton is not None:  # Triton's per-process set-up, before its first launch
+            t = time.perf_counter()
+            triton.wait()
+            self.timer.record("engine_model_triton_wait", time.perf_counter() - t)
+        self.model = build_model(self.pending.config, self.pending.tensors)
+        for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's own steps
+            self.timer.record(f"engine_model_{step}", seconds)
+
+    def read_tokenizer(self) -> None:
+        from deployments.engine.tokenizer import Tokenizer
+        self.tokenizer = Tokenizer.from_dir(self.path)
+
+    def make_engine(self) -> None:
+        from deployments.engine.engine import Engine
+        self.engine = Engine(self.model, self.tokenizer, self.args.engine)
+
+    def start_engine(self) -> None:
+        prime = self.side.pop("prime", None)
+        if prime is not None:  # nothing launches beside the capture
+            t = time.perf_counter()
+            prime.wait()
+            self.timer.record("engine_prime_wait", time.perf_counter() - t)
+        self.engine.start()
+
+    @contextlib.contextmanager
+    def _gil_switch(self, step: str) -> Iterator[None]:
+        """A short thread switch interval while the engine is built beside the load
+        (``_OVERLAP_SWITCH_S``); COLDSTART_GIL_SWITCH=0 keeps Python's default."""
+        if not (self.overlap and step.startswith("engine_") and envs.read("COLDSTART_GIL_SWITCH")):
+            yield
+            return
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(_OVERLAP_SWITCH_S)
+        try:
+            yield
+        finally:
+            sys.setswitchinterval(old)
