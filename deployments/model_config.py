@@ -20,6 +20,18 @@ def architecture(cfg: Mapping[str, Any]) -> str:
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
 
 
+def _rope(cfg: Mapping[str, Any]) -> tuple[str, dict]:
+    """(the key it came from, the rope dict transformers reads): `rope_scaling` wins over
+    `rope_parameters` when both are set (transformers' convert_rope_params_to_dict)."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(key)
+    return key, dict(rope) if isinstance(rope, Mapping) else {}
+
+
+def _rope_type(rope: Mapping[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default")) or "default"
+
+
 def _need(cfg: Mapping[str, Any], key: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"config.json: missing required field `{key}`")
@@ -96,30 +108,36 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Read an HF config.json dict (old `rope_scaling` or new `rope_parameters` style)."""
+        """Read an HF config.json dict (old `rope_scaling` or new `rope_parameters` style) as
+        transformers' class for it does."""
         arch = architecture(cfg)
         if arch not in NATIVE_ARCHITECTURES:
             raise ValueError(
                 f"config `architectures` {cfg.get('architectures')!r} has no native implementation "
                 f"(native: {', '.join(NATIVE_ARCHITECTURES)}); use hf_fallback"
             )
-        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older `rope_scaling`.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = {}
         n_layers = _need(cfg, "num_hidden_layers")
         defaults = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
-        bias = bool(cfg.get("attention_bias", False))
+        max_pos = int(cfg.get("max_position_embeddings") or defaults[arch])
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older `rope_scaling`.
+        _, rope = _rope(cfg)
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+        if _rope_type(rope) == "default":
+            rope = {}
+        elif _rope_type(rope) == "llama3":  # as transformers: the top-level value wins, then the dict's
+            rope["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
+                                                        or rope.get("original_max_position_embeddings") or max_pos)
+        llama = arch == "LlamaForCausalLM"  # Mistral has no biases; Qwen2 q/k/v biases only, whatever the fields say
+        bias = llama and bool(cfg.get("attention_bias", False))
         windows: list = [None] * n_layers
-        if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-            windows = [int(cfg["sliding_window"])] * n_layers
-        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        if arch == "MistralForCausalLM" and cfg.get("sliding_window", 4096):  # MistralConfig's default: 4096
+            windows = [int(cfg.get("sliding_window", 4096))] * n_layers
+        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window") and cfg.get("sliding_window", 4096):
             types = cfg.get("layer_types") or [
                 "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
                 for i in range(n_layers)
             ]
-            windows = [int(cfg["sliding_window"]) if t == "sliding_attention" else None for t in types]
+            windows = [int(cfg.get("sliding_window", 4096)) if t == "sliding_attention" else None for t in types]
         return cls(
             architecture=arch,
             vocab_size=_need(cfg, "vocab_size"),
@@ -132,11 +150,11 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=rope or None,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or defaults[arch]),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bias or arch == "Qwen2ForCausalLM",
             o_bias=bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=llama and bool(cfg.get("mlp_bias", False)),
             layer_windows=windows,
         )
 
@@ -155,7 +173,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv = inv / rs["factor"]
     elif cfg.rope_type == "llama3":
         factor, lo, hi = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        old_ctx = rs.get("original_max_position_embeddings", cfg.max_position_embeddings)  # transformers' default
         lo_wl, hi_wl = old_ctx / lo, old_ctx / hi
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > lo_wl, inv / factor, inv)

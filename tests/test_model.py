@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,15 @@ import pytest
 import torch
 
 from deployments.model import ModelConfig, build_model, build_native
-from helpers_engine import hf_greedy, hf_model, state_tensors
+from helpers_engine import hf_greedy, state_tensors
+from helpers_engine import hf_model as _hf_model
+
+
+def hf_model(arch: str = "llama", **overrides):
+    """helpers_engine.hf_model, given copies: transformers' config writes into the rope dict it
+    is handed (rope_theta, original_max_position_embeddings), which would leak between tests."""
+    return _hf_model(arch, **copy.deepcopy(overrides))
+
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -29,6 +38,19 @@ CASES = {
     "mistral-window": ("mistral", {"sliding_window": 5}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+    # fields honoured natively, read as transformers reads them
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
+    "llama-mlp-bias": ("llama", {"mlp_bias": True}),
+    "llama-rms-norm-eps": ("llama", {"rms_norm_eps": 1e-2}),
+    "llama-rope-theta": ("llama", {"rope_theta": 100.0}),
+    "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    "mistral-no-window": ("mistral", {"sliding_window": None}),
+    "qwen2-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "qwen2-layer-types": ("qwen2", {"use_sliding_window": True, "sliding_window": 5,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    # fields transformers' class does not read: served natively, the same logits
+    "mistral-bias-fields": ("mistral", {"attention_bias": True, "mlp_bias": True}),
+    "qwen2-bias-fields": ("qwen2", {"attention_bias": True, "mlp_bias": True}),
 }
 
 
@@ -37,11 +59,24 @@ def _logits(model, tokens):
         return model(tokens)
 
 
+def _random_biases(hf):
+    """Biases that matter (transformers initialises them to zeros), and norm weights that are not all ones."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(len(name)))
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    return hf
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers(case):
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
+    _random_biases(hf)
     model = build_model(cfg, state_tensors(hf))
+    assert type(model).__name__ == "Transformer"  # served natively
     tokens = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     ref = hf(tokens).logits.detach()
     got = _logits(model, tokens)
@@ -416,3 +451,90 @@ def test_kv_cache_is_one_block_of_contiguous_layer_views():
     assert cache.data.isnan().sum() == 1 and cache.data[0, 2, 1, 0, 5].eq(1).all()
     cache.zero_()
     assert cache.data.count_nonzero() == 0 and not cache.data.isnan().any()
+
+
+# ----------------------------------------------------------------------------- config.json fields
+# read as transformers' class reads them
+
+
+def _same_as_transformers(model, hf, seq=16):
+    tokens = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(model, tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)
+
+
+def _differs_from_transformers(model, hf, seq=16):
+    tokens = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    return (_logits(model, tokens) - hf(tokens).logits.detach()).abs().max().item() > 1e-3
+
+
+def _transformers_reads(cfg):
+    """The config object transformers makes of a config.json dict (what its class computes from)."""
+    import transformers
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    return transformers.AutoConfig.for_model(cfg["model_type"], **kw)
+
+
+@pytest.mark.parametrize("case, revert", [
+    ("llama-rms-norm-eps", {"rms_norm_eps": 1e-6}),
+    ("llama-rope-theta", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ("qwen2-window-layers", {"use_sliding_window": False}),
+    ("qwen2-layer-types", {"layer_types": ["full_attention", "sliding_attention"]}),
+    ("mistral-no-window", {"sliding_window": 3}),
+])
+def test_the_honoured_fields_change_the_logits(case, revert):
+    # guards test_logits_match_transformers: with the field read otherwise, the logits differ
+    arch, kw = CASES[case]
+    hf, cfg = hf_model(arch, **kw)
+    assert _differs_from_transformers(build_model({**cfg, **revert}, state_tensors(hf)), hf)
+
+
+def test_llama3_original_max_position_embeddings_is_read_as_transformers_reads_it():
+    # a hub config.json may lack it (transformers: max_position_embeddings, not 8192) or give it at the
+    # top level as well (transformers: the top-level value wins); transformers' model is built from
+    # those raw forms, but writes its config.json normalised, so the raw forms are given here again
+    no_original = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    hf, cfg = hf_model("llama", rope_scaling=no_original)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == cfg["max_position_embeddings"] == 256
+    raw = {**cfg, "rope_parameters": {**no_original, "rope_theta": 10000.0}}
+    _same_as_transformers(build_model(raw, state_tensors(hf)), hf)
+    old_default = {**raw, "rope_parameters": {**raw["rope_parameters"], "original_max_position_embeddings": 8192}}
+    assert _differs_from_transformers(build_model(old_default, state_tensors(hf)), hf)
+
+    hf, cfg = hf_model("llama", rope_scaling=LLAMA3_ROPE, original_max_position_embeddings=16)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 16  # its rope took the top-level value
+    raw = {**cfg, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 10000.0}}  # 64 in the dict, 16 at the top
+    _same_as_transformers(build_model(raw, state_tensors(hf)), hf)
+    assert _differs_from_transformers(build_model({k: v for k, v in raw.items()
+                                                   if k != "original_max_position_embeddings"}, state_tensors(hf)), hf)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    hf, cfg = hf_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    both = {**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}
+    assert _transformers_reads(both).rope_parameters["factor"] == 2.0
+    _same_as_transformers(build_model(both, state_tensors(hf)), hf)
+
+
+def test_old_style_config_with_top_level_rope_theta_matches_transformers():
+    hf, cfg = hf_model("qwen2", rope_theta=100.0, rope_scaling={"type": "linear", "factor": 2.0})
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    old.update(rope_theta=100.0, rope_scaling={"type": "linear", "factor": 2.0})
+    _same_as_transformers(build_model(old, state_tensors(hf)), hf)
+
+
+@pytest.mark.parametrize("arch, extra, windows", [
+    ("mistral", {}, [4096, 4096]),  # MistralConfig's default when the key is absent
+    ("mistral", {"sliding_window": None}, [None, None]),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, [None, 4096]),
+    ("qwen2", {"use_sliding_window": False, "max_window_layers": 1}, [None, None]),
+])
+def test_sliding_window_defaults_are_transformers(arch, extra, windows):
+    _, cfg = hf_model(arch)
+    raw = {k: v for k, v in cfg.items() if k not in ("sliding_window", "layer_types", "use_sliding_window")}
+    raw.update(extra)
+    assert ModelConfig.from_hf(raw).layer_windows == windows
+    read = _transformers_reads(raw)
+    assert [read.sliding_window if t == "sliding_attention" or arch == "mistral" else None
+            for t in getattr(read, "layer_types", None) or ["?"] * 2] == windows
