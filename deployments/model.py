@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deployments import kernels
-from deployments.model_config import (NATIVE_ARCHITECTURES, ModelConfig, architecture,  # noqa: F401
-                                      rope_inv_freq)
+from deployments.model_config import (ACTIVATIONS, NATIVE_ARCHITECTURES, SILU_ACTIVATIONS,  # noqa: F401
+                                      ModelConfig, architecture, rope_inv_freq)
 
 log = logging.getLogger(__name__)
 
@@ -253,16 +253,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(F_, D, bias=cfg.mlp_bias)
         self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
         self.gate_up_b: torch.Tensor | None = None
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.silu = cfg.hidden_act in SILU_ACTIVATIONS  # the fused kernel computes SiLU only
 
     def forward(self, x: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         if ctx is not None and ctx.fused and self.gate_up_w is not None:
-            h = kernels.silu_mul(_linear(x, self.gate_up_w, self.gate_up_b, ctx))
+            gate_up = _linear(x, self.gate_up_w, self.gate_up_b, ctx)
+            if self.silu:
+                h = kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = self.act(gate) * up
             return _linear(h, self.down_proj.weight, self.down_proj.bias, ctx)
         if self.gate_up_w is not None:
             gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -691,7 +698,11 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     model.build_s["attention_test"], t = time.perf_counter() - t, time.perf_counter()
     model.gemv_shapes = _choose_gemv(model) if model.use_kernels else frozenset()
     model.build_s["gemv_choice"] = time.perf_counter() - t
-    log.info("decode kernels: %s", ("Triton (fused norm, SwiGLU, rope + KV write"
+    silu = cfg.hidden_act in SILU_ACTIVATIONS
+    if not silu:
+        log.info("hidden_act=%r: the MLP computes it with torch kernels (the fused SwiGLU kernel is SiLU only)",
+                 cfg.hidden_act)
+    log.info("decode kernels: %s", ("Triton (fused norm" + (", SwiGLU" if silu else "") + ", rope + KV write"
                                     + (", attention" if model.use_attention_kernel else "")
                                     + (f", GEMV for {len(model.gemv_shapes)} weight shapes)" if model.gemv_shapes
                                        else ")")) if model.use_kernels else "torch")

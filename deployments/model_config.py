@@ -3,11 +3,13 @@ frequencies (with Llama 3 / linear / dynamic scaling). No nn.Module here."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
+import torch.nn.functional as F
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -18,6 +20,14 @@ def architecture(cfg: Mapping[str, Any]) -> str:
     archs = cfg.get("architectures") or []
     return archs[0] if archs else _BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
+# hidden_act -> the MLP's activation, as transformers' ACT2FN computes it (the same torch call)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+SILU_ACTIVATIONS = ("silu", "swish")  # what the fused Triton SwiGLU kernel (kernels.silu_mul) computes
 
 
 def _rope(cfg: Mapping[str, Any]) -> tuple[str, dict]:
@@ -58,6 +68,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2; Llama's attention_bias
     o_bias: bool = False  # Llama's attention_bias
     mlp_bias: bool = False
+    hidden_act: str = "silu"  # a key of ACTIVATIONS
     # Per layer: sliding-window size or None (full attention). Mistral: all layers;
     # Qwen2: layers >= max_window_layers when use_sliding_window.
     layer_windows: list = field(default_factory=list)
@@ -98,6 +109,9 @@ class ModelConfig:
             raise ValueError(f"config `rope_scaling.factor` is required for rope_type {self.rope_type!r}")
         if rs.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("config `partial_rotary_factor` != 1.0 is not supported natively")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"config `hidden_act` {self.hidden_act!r} is not supported natively "
+                             f"(supported: {', '.join(ACTIVATIONS)})")
         if not self.layer_windows:
             self.layer_windows = [None] * self.num_hidden_layers
         if len(self.layer_windows) != self.num_hidden_layers:
@@ -155,6 +169,7 @@ class ModelConfig:
             qkv_bias=bias or arch == "Qwen2ForCausalLM",
             o_bias=bias,
             mlp_bias=llama and bool(cfg.get("mlp_bias", False)),
+            hidden_act=cfg.get("hidden_act") or "silu",
             layer_windows=windows,
         )
 

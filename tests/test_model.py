@@ -44,6 +44,9 @@ CASES = {
     "llama-rms-norm-eps": ("llama", {"rms_norm_eps": 1e-2}),
     "llama-rope-theta": ("llama", {"rope_theta": 100.0}),
     "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    "llama-gelu-tanh": ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    "llama-swish": ("llama", {"hidden_act": "swish"}),
+    "qwen2-gelu": ("qwen2", {"hidden_act": "gelu"}),
     "mistral-no-window": ("mistral", {"sliding_window": None}),
     "qwen2-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
     "qwen2-layer-types": ("qwen2", {"use_sliding_window": True, "sliding_window": 5,
@@ -478,6 +481,8 @@ def _transformers_reads(cfg):
 @pytest.mark.parametrize("case, revert", [
     ("llama-rms-norm-eps", {"rms_norm_eps": 1e-6}),
     ("llama-rope-theta", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ("llama-gelu-tanh", {"hidden_act": "silu"}),
+    ("qwen2-gelu", {"hidden_act": "silu"}),
     ("qwen2-window-layers", {"use_sliding_window": False}),
     ("qwen2-layer-types", {"layer_types": ["full_attention", "sliding_attention"]}),
     ("mistral-no-window", {"sliding_window": 3}),
@@ -487,6 +492,29 @@ def test_the_honoured_fields_change_the_logits(case, revert):
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
     assert _differs_from_transformers(build_model({**cfg, **revert}, state_tensors(hf)), hf)
+
+
+def test_the_bug_a_gelu_llama_is_served_natively_with_gelu(tmp_path, caplog):
+    """A Llama config.json with hidden_act gelu_pytorch_tanh was served with SiLU, silently. Now the
+    native MLP computes the config's activation, on the torch path and on the fused path (whose
+    Triton SwiGLU kernel is SiLU only: there, on the CPU, its torch reference would run), and
+    the build says so."""
+    from weights import PackOptions, load, pack
+
+    hf, cfg = hf_model("llama", hidden_act="gelu_pytorch_tanh")
+    hf.save_pretrained(tmp_path / "hf")  # packed: gate and up side by side, so the fused MLP branch applies
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    with caplog.at_level("INFO", logger="deployments.model"):
+        model = build_model(m.config, m.tensors)
+    assert type(model).__name__ == "Transformer" and model.model.layers[0].mlp.gate_up_w is not None
+    assert "hidden_act='gelu_pytorch_tanh'" in caplog.text
+    _same_as_transformers(model, hf)
+    model.use_kernels = True  # the fused path's branches (the kernels' torch references on the CPU)
+    _same_as_transformers(model, hf)
+    model.use_kernels = False
+    _engine_greedy_equals_transformers(model, hf)
+    silu = build_model({**cfg, "hidden_act": "silu"}, state_tensors(hf))
+    assert _differs_from_transformers(silu, hf)  # the bug's model: what SiLU gave
 
 
 def test_llama3_original_max_position_embeddings_is_read_as_transformers_reads_it():
