@@ -31,7 +31,8 @@ from torch import nn
 
 from deployments import kernels
 from deployments.model_config import (ACTIVATIONS, NATIVE_ARCHITECTURES, SILU_ACTIVATIONS,  # noqa: F401
-                                      ModelConfig, architecture, rope_inv_freq)
+                                      ModelConfig, architecture, is_native, native_blockers, rope_inv_freq,
+                                      unread_fields)
 
 log = logging.getLogger(__name__)
 
@@ -714,14 +715,29 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
 def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> nn.Module:
     """Build the serving model for `config` (an HF config.json dict) from `tensors` (HF names).
 
-    Llama / Mistral / Qwen2 get the native decoder; any other `architectures[0]`
-    is served through transformers' own class (slower start, logged).
+    Llama / Mistral / Qwen2 get the native decoder, unless a field asks for math it does not
+    do (`native_blockers`, listed in deployments.model_config's docstring); those configs and
+    any other `architectures[0]` are served through transformers' own class (slower start,
+    one warning naming the reasons). Fields that transformers' class ignores too get one
+    warning of their own (`unread_fields`).
 
     Example:
         model = build_model(json.load(open(d / "config.json")), safetensors.torch.load_file(f, device="cuda"))
     """
-    if architecture(config) in NATIVE_ARCHITECTURES:
+    arch = architecture(config)
+    unread = unread_fields(config)
+    if unread:
+        log.warning("%s: config.json sets fields that transformers' %s does not read either, so they change "
+                    "nothing here: %s", arch, arch, "; ".join(unread))
+    why = native_blockers(config)
+    if not why:
         return build_native(config, tensors)
     from deployments.hf_fallback import build_hf_model  # imports transformers: only on this path
 
-    return build_hf_model(config, tensors)
+    try:
+        return build_hf_model(config, tensors, why="; ".join(why))
+    except Exception as e:
+        if arch not in NATIVE_ARCHITECTURES:
+            raise
+        raise ValueError(f"{arch}: not served natively ({'; '.join(why)}), and transformers could not build it "
+                         f"either: {type(e).__name__}: {e}") from e

@@ -154,7 +154,7 @@ class LLMServer:
                 bytecode.enable()
             import_engine(self.args.device, timer)
         from deployments.engine import EngineConfig
-        from deployments.model import NATIVE_ARCHITECTURES, architecture
+        from deployments.model import is_native
         from deployments.runtime import check_env, choose_device, create_context, early_context
         from weights.loader import start_load
         for w in check_env():
@@ -183,7 +183,7 @@ class LLMServer:
         # 0.4, bench/results/runs/serve-v6-build-beside-cold-read.json); the trickle, one
         # piece at a time, reads meanwhile.
         pending = start_load(path, self.device, options=opts, timer=timer, hold=trickling)
-        native = architecture(pending.config) in NATIVE_ARCHITECTURES
+        native = is_native(pending.config)  # as build_model decides
         embed = pending.tensors.get("model.embed_tokens.weight") if native else None
         if embed is not None:  # the engine's first-use costs, beside the build (waited for before its capture)
             from deployments import prime

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ CASES = {
     "mistral-window": ("mistral", {"sliding_window": 5}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
-    # fields honoured natively, read as transformers reads them
+    # the hidden-field audit (deployments/model_config.py's docstring): fields honoured natively
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "llama-mlp-bias": ("llama", {"mlp_bias": True}),
     "llama-rms-norm-eps": ("llama", {"rms_norm_eps": 1e-2}),
@@ -51,9 +52,15 @@ CASES = {
     "qwen2-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
     "qwen2-layer-types": ("qwen2", {"use_sliding_window": True, "sliding_window": 5,
                                     "layer_types": ["sliding_attention", "full_attention"]}),
-    # fields transformers' class does not read: served natively, the same logits
+    # fields transformers' class does not read either (unread_fields): served natively, the same logits
     "mistral-bias-fields": ("mistral", {"attention_bias": True, "mlp_bias": True}),
     "qwen2-bias-fields": ("qwen2", {"attention_bias": True, "mlp_bias": True}),
+    "mistral-qwen2-window-fields": ("mistral", {"sliding_window": 3, "use_sliding_window": False,
+                                                "max_window_layers": 1,
+                                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "llama-foreign-fields": ("llama", {"final_logit_softcapping": 1.0, "attn_logit_softcapping": 5.0,
+                                       "query_pre_attn_scalar": 7, "embedding_multiplier": 3.0, "logits_scaling": 4.0,
+                                       "sliding_window": 3, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -150,7 +157,7 @@ def test_old_checkpoint_inv_freq_is_ignored():
     [
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_parameters.rope_type='yarn'"),
         ({"rope_parameters": {"rope_type": "linear"}}, "rope_scaling.factor"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),
     ],
@@ -456,8 +463,8 @@ def test_kv_cache_is_one_block_of_contiguous_layer_views():
     assert cache.data.count_nonzero() == 0 and not cache.data.isnan().any()
 
 
-# ----------------------------------------------------------------------------- config.json fields
-# read as transformers' class reads them
+# ----------------------------------------------------------------------------- the hidden-field audit
+# deployments/model_config.py's docstring lists every config.json field checked and its verdict.
 
 
 def _same_as_transformers(model, hf, seq=16):
@@ -566,3 +573,116 @@ def test_sliding_window_defaults_are_transformers(arch, extra, windows):
     read = _transformers_reads(raw)
     assert [read.sliding_window if t == "sliding_attention" or arch == "mistral" else None
             for t in getattr(read, "layer_types", None) or ["?"] * 2] == windows
+
+
+BLOCKED = {
+    "gelu-new": ("llama", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
+    "quick-gelu": ("qwen2", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+    "yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                           "rope_theta": 10000.0}}, "rope_parameters.rope_type='yarn'"),
+    "longrope": ("llama", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                            "original_max_position_embeddings": 64}},
+                 "rope_scaling.rope_type='longrope'"),
+    "mrope": ("qwen2", {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+              "rope_scaling.rope_type='mrope'"),
+    "nested-rope": ("qwen2", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+                    "rope_parameters is nested by layer type (full_attention, sliding_attention)"),
+    "partial-rotary-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                            "partial_rotary_factor": 0.5}},
+                              "partial_rotary_factor=0.5 with rope_type 'linear'"),
+    "partial-rotary-top-level": ("mistral", {"partial_rotary_factor": 0.25, "rope_scaling": LLAMA3_ROPE},
+                                 "partial_rotary_factor=0.25 with rope_type 'llama3'"),
+    "bidirectional": ("llama", {"is_causal": False}, "is_causal=False"),
+    "qwen2-layer-type": ("qwen2", {"layer_types": ["chunked_attention", "full_attention"]},
+                         "layer_types has 'chunked_attention'"),
+    "architecture": ("gpt2", {}, "has no native implementation"),
+}
+
+
+@pytest.mark.parametrize("case", BLOCKED)
+def test_native_blockers_name_the_field_and_from_hf_refuses_it(case):
+    from deployments.model_config import is_native, native_blockers
+
+    arch, patch, reason = BLOCKED[case]
+    base = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"} if arch == "gpt2" else hf_model(arch)[1]
+    cfg = {**base, **patch}
+    why = native_blockers(cfg)
+    assert len(why) == 1 and reason in why[0], why
+    assert not is_native(cfg)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        ModelConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize("arch, patch", [
+    ("llama", {}), ("mistral", {}), ("qwen2", {}),
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"}), ("qwen2", {"hidden_act": "swish"}),
+    ("llama", {"rope_scaling": LLAMA3_ROPE}), ("mistral", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+    ("llama", {"partial_rotary_factor": 0.5}),  # the default rope ignores it, in transformers too
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "layer_types": ["attention", "sliding_attention"]}),
+    ("llama", {"is_causal": True}),
+])
+def test_native_configs_have_no_blockers(arch, patch):
+    from deployments.model_config import is_native, native_blockers
+
+    cfg = {**hf_model(arch)[1], **patch}
+    assert native_blockers(cfg) == [] and is_native(cfg)
+    ModelConfig.from_hf(cfg)
+
+
+def test_unread_fields_name_what_transformers_ignores_too(caplog):
+    from deployments.model_config import unread_fields
+
+    arch, kw = CASES["llama-foreign-fields"]
+    hf, cfg = hf_model(arch, **kw)
+    cfg = {**cfg, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"},
+           "rope_parameters": {**cfg["rope_parameters"], "mrope_section": [2, 3, 3]}}
+    text = "; ".join(unread_fields(cfg))
+    for name in ("final_logit_softcapping=1.0", "attn_logit_softcapping=5.0", "query_pre_attn_scalar=7",
+                 "embedding_multiplier=3.0", "logits_scaling=4.0", "sliding_window=3", "partial_rotary_factor=0.5",
+                 "auto_map=", "mrope_section=[2, 3, 3]"):
+        assert name in text, name
+    with caplog.at_level("WARNING"):
+        model = build_model(cfg, state_tensors(hf))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "final_logit_softcapping=1.0" in warned[0] and "does not read either" in warned[0]
+    assert type(model).__name__ == "Transformer"
+    _same_as_transformers(model, hf)
+    assert unread_fields(hf_model("llama")[1]) == [] and unread_fields(hf_model("qwen2")[1]) == []
+    _, mistral = hf_model("mistral", attention_bias=True, mlp_bias=True, use_sliding_window=False)
+    text = "; ".join(unread_fields(mistral))
+    assert "attention_bias=True (MistralForCausalLM has no biases)" in text and "use_sliding_window=False" in text
+    arch, kw = CASES["mistral-qwen2-window-fields"]
+    text = "; ".join(unread_fields(hf_model(arch, **kw)[1]))
+    assert "layer_types=['sliding_attention', 'full_attention']" in text and "windows every layer" in text
+
+
+@pytest.mark.parametrize("arch, kw, reason", [
+    ("llama", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+    ("qwen2", BLOCKED["yarn"][1], "rope_parameters.rope_type='yarn'"),
+    ("llama", {"is_causal": False}, "is_causal=False"),
+])
+def test_blocked_configs_are_served_by_transformers_with_one_warning(arch, kw, reason, caplog):
+    hf, cfg = hf_model(arch, **kw)
+    with caplog.at_level("WARNING"):
+        model = build_model(cfg, state_tensors(hf))
+    assert type(model).__name__ == "HFModel"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and reason in warned[0] and "through transformers" in warned[0], warned
+    _same_as_transformers(model, hf)
+    if kw.get("is_causal", True):  # the serving path: cached prefill and decode steps, greedy
+        _engine_greedy_equals_transformers(model, hf)
+
+
+def test_a_rope_type_transformers_cannot_build_either_is_refused_naming_the_field():
+    hf, cfg = hf_model("qwen2")
+    cfg = {**cfg, "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=r"not served natively \(rope_parameters\.rope_type='mrope'.*"
+                                         r"transformers could not build it either: KeyError"):
+        build_model(cfg, state_tensors(hf))
+
+
+def test_quantized_configs_are_refused():
+    _, cfg = hf_model("llama")
+    with pytest.raises(ValueError, match=r"quantization_config.*'fp8'"):
+        ModelConfig.from_hf({**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
