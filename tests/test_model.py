@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,15 @@ import pytest
 import torch
 
 from deployments.model import ModelConfig, build_model, build_native
-from helpers_engine import hf_greedy, hf_model, state_tensors
+from helpers_engine import hf_greedy, state_tensors
+from helpers_engine import hf_model as _hf_model
+
+
+def hf_model(arch: str = "llama", **overrides):
+    """helpers_engine.hf_model, given copies: transformers' config writes into the rope dict it
+    is handed (rope_theta, original_max_position_embeddings), which would leak between tests."""
+    return _hf_model(arch, **copy.deepcopy(overrides))
+
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -29,6 +39,28 @@ CASES = {
     "mistral-window": ("mistral", {"sliding_window": 5}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+    # the hidden-field audit (deployments/model/config.py's docstring): fields honoured natively
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
+    "llama-mlp-bias": ("llama", {"mlp_bias": True}),
+    "llama-rms-norm-eps": ("llama", {"rms_norm_eps": 1e-2}),
+    "llama-rope-theta": ("llama", {"rope_theta": 100.0}),
+    "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    "llama-gelu-tanh": ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    "llama-swish": ("llama", {"hidden_act": "swish"}),
+    "qwen2-gelu": ("qwen2", {"hidden_act": "gelu"}),
+    "mistral-no-window": ("mistral", {"sliding_window": None}),
+    "qwen2-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "qwen2-layer-types": ("qwen2", {"use_sliding_window": True, "sliding_window": 5,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+    # fields transformers' class does not read either (unread_fields): served natively, the same logits
+    "mistral-bias-fields": ("mistral", {"attention_bias": True, "mlp_bias": True}),
+    "qwen2-bias-fields": ("qwen2", {"attention_bias": True, "mlp_bias": True}),
+    "mistral-qwen2-window-fields": ("mistral", {"sliding_window": 3, "use_sliding_window": False,
+                                                "max_window_layers": 1,
+                                                "layer_types": ["sliding_attention", "full_attention"]}),
+    "llama-foreign-fields": ("llama", {"final_logit_softcapping": 1.0, "attn_logit_softcapping": 5.0,
+                                       "query_pre_attn_scalar": 7, "embedding_multiplier": 3.0, "logits_scaling": 4.0,
+                                       "sliding_window": 3, "partial_rotary_factor": 0.5}),
 }
 
 
@@ -37,11 +69,24 @@ def _logits(model, tokens):
         return model(tokens)
 
 
+def _random_biases(hf):
+    """Biases that matter (transformers initialises them to zeros), and norm weights that are not all ones."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(len(name)))
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    return hf
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers(case):
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
+    _random_biases(hf)
     model = build_model(cfg, state_tensors(hf))
+    assert type(model).__name__ == "Transformer"  # served natively
     tokens = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     ref = hf(tokens).logits.detach()
     got = _logits(model, tokens)
@@ -112,7 +157,7 @@ def test_old_checkpoint_inv_freq_is_ignored():
     [
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_parameters.rope_type='yarn'"),
         ({"rope_parameters": {"rope_type": "linear"}}, "rope_scaling.factor"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),
     ],
@@ -408,3 +453,229 @@ def test_kv_cache_is_one_block_of_contiguous_layer_views():
     assert cache.data.isnan().sum() == 1 and cache.data[0, 2, 1, 0, 5].eq(1).all()
     cache.zero_()
     assert cache.data.count_nonzero() == 0 and not cache.data.isnan().any()
+
+
+# ----------------------------------------------------------------------------- the hidden-field audit
+# deployments/model/config.py's docstring lists every config.json field checked and its verdict.
+
+
+def _same_as_transformers(model, hf, seq=16):
+    tokens = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(model, tokens), hf(tokens).logits.detach(), atol=1e-4, rtol=1e-4)
+
+
+def _differs_from_transformers(model, hf, seq=16):
+    tokens = torch.randint(0, hf.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
+    return (_logits(model, tokens) - hf(tokens).logits.detach()).abs().max().item() > 1e-3
+
+
+def _transformers_reads(cfg):
+    """The config object transformers makes of a config.json dict (what its class computes from)."""
+    import transformers
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    return transformers.AutoConfig.for_model(cfg["model_type"], **kw)
+
+
+@pytest.mark.parametrize("case, revert", [
+    ("llama-rms-norm-eps", {"rms_norm_eps": 1e-6}),
+    ("llama-rope-theta", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ("llama-gelu-tanh", {"hidden_act": "silu"}),
+    ("qwen2-gelu", {"hidden_act": "silu"}),
+    ("qwen2-window-layers", {"use_sliding_window": False}),
+    ("qwen2-layer-types", {"layer_types": ["full_attention", "sliding_attention"]}),
+    ("mistral-no-window", {"sliding_window": 3}),
+])
+def test_the_honoured_fields_change_the_logits(case, revert):
+    # guards test_logits_match_transformers: with the field read otherwise, the logits differ
+    arch, kw = CASES[case]
+    hf, cfg = hf_model(arch, **kw)
+    assert _differs_from_transformers(build_model({**cfg, **revert}, state_tensors(hf)), hf)
+
+
+def test_the_bug_a_gelu_llama_is_served_natively_with_gelu(tmp_path, caplog):
+    """A Llama config.json with hidden_act gelu_pytorch_tanh was served with SiLU, silently. Now the
+    native MLP computes the config's activation, on the torch path and on the fused path (whose
+    Triton SwiGLU kernel is SiLU only: there, on the CPU, its torch reference would run), and
+    the build says so."""
+    from weights import PackOptions, load, pack
+
+    hf, cfg = hf_model("llama", hidden_act="gelu_pytorch_tanh")
+    hf.save_pretrained(tmp_path / "hf")  # packed: gate and up side by side, so the fused MLP branch applies
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    with caplog.at_level("INFO", logger="deployments.model"):
+        model = build_model(m.config, m.tensors)
+    assert type(model).__name__ == "Transformer" and model.model.layers[0].mlp.gate_up_w is not None
+    assert "hidden_act='gelu_pytorch_tanh'" in caplog.text
+    _same_as_transformers(model, hf)
+    from deployments.kernels.policy import KernelPlan
+    model.kernels = KernelPlan(fused=True)  # the fused path's branches (the kernels' torch references on the CPU)
+    _same_as_transformers(model, hf)
+    model.kernels = KernelPlan()
+    _engine_greedy_equals_transformers(model, hf)
+    silu = build_model({**cfg, "hidden_act": "silu"}, state_tensors(hf))
+    assert _differs_from_transformers(silu, hf)  # the bug's model: what SiLU gave
+
+
+def test_llama3_original_max_position_embeddings_is_read_as_transformers_reads_it():
+    # a hub config.json may lack it (transformers: max_position_embeddings, not 8192) or give it at the
+    # top level as well (transformers: the top-level value wins); transformers' model is built from
+    # those raw forms, but writes its config.json normalised, so the raw forms are given here again
+    no_original = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    hf, cfg = hf_model("llama", rope_scaling=no_original)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == cfg["max_position_embeddings"] == 256
+    raw = {**cfg, "rope_parameters": {**no_original, "rope_theta": 10000.0}}
+    _same_as_transformers(build_model(raw, state_tensors(hf)), hf)
+    old_default = {**raw, "rope_parameters": {**raw["rope_parameters"], "original_max_position_embeddings": 8192}}
+    assert _differs_from_transformers(build_model(old_default, state_tensors(hf)), hf)
+
+    hf, cfg = hf_model("llama", rope_scaling=LLAMA3_ROPE, original_max_position_embeddings=16)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 16  # its rope took the top-level value
+    raw = {**cfg, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 10000.0}}  # 64 in the dict, 16 at the top
+    _same_as_transformers(build_model(raw, state_tensors(hf)), hf)
+    assert _differs_from_transformers(build_model({k: v for k, v in raw.items()
+                                                   if k != "original_max_position_embeddings"}, state_tensors(hf)), hf)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    hf, cfg = hf_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    both = {**cfg, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}
+    assert _transformers_reads(both).rope_parameters["factor"] == 2.0
+    _same_as_transformers(build_model(both, state_tensors(hf)), hf)
+
+
+def test_old_style_config_with_top_level_rope_theta_matches_transformers():
+    hf, cfg = hf_model("qwen2", rope_theta=100.0, rope_scaling={"type": "linear", "factor": 2.0})
+    old = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    old.update(rope_theta=100.0, rope_scaling={"type": "linear", "factor": 2.0})
+    _same_as_transformers(build_model(old, state_tensors(hf)), hf)
+
+
+@pytest.mark.parametrize("arch, extra, windows", [
+    ("mistral", {}, [4096, 4096]),  # MistralConfig's default when the key is absent
+    ("mistral", {"sliding_window": None}, [None, None]),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, [None, 4096]),
+    ("qwen2", {"use_sliding_window": False, "max_window_layers": 1}, [None, None]),
+])
+def test_sliding_window_defaults_are_transformers(arch, extra, windows):
+    _, cfg = hf_model(arch)
+    raw = {k: v for k, v in cfg.items() if k not in ("sliding_window", "layer_types", "use_sliding_window")}
+    raw.update(extra)
+    assert ModelConfig.from_hf(raw).layer_windows == windows
+    read = _transformers_reads(raw)
+    assert [read.sliding_window if t == "sliding_attention" or arch == "mistral" else None
+            for t in getattr(read, "layer_types", None) or ["?"] * 2] == windows
+
+
+BLOCKED = {
+    "gelu-new": ("llama", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
+    "quick-gelu": ("qwen2", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+    "yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                           "rope_theta": 10000.0}}, "rope_parameters.rope_type='yarn'"),
+    "longrope": ("llama", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                            "original_max_position_embeddings": 64}},
+                 "rope_scaling.rope_type='longrope'"),
+    "mrope": ("qwen2", {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+              "rope_scaling.rope_type='mrope'"),
+    "nested-rope": ("qwen2", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+                    "rope_parameters is nested by layer type (full_attention, sliding_attention)"),
+    "partial-rotary-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                            "partial_rotary_factor": 0.5}},
+                              "partial_rotary_factor=0.5 with rope_type 'linear'"),
+    "partial-rotary-top-level": ("mistral", {"partial_rotary_factor": 0.25, "rope_scaling": LLAMA3_ROPE},
+                                 "partial_rotary_factor=0.25 with rope_type 'llama3'"),
+    "bidirectional": ("llama", {"is_causal": False}, "is_causal=False"),
+    "qwen2-layer-type": ("qwen2", {"layer_types": ["chunked_attention", "full_attention"]},
+                         "layer_types has 'chunked_attention'"),
+    "architecture": ("gpt2", {}, "has no native implementation"),
+}
+
+
+@pytest.mark.parametrize("case", BLOCKED)
+def test_native_blockers_name_the_field_and_from_hf_refuses_it(case):
+    from deployments.model.config import is_native, native_blockers
+
+    arch, patch, reason = BLOCKED[case]
+    base = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"} if arch == "gpt2" else hf_model(arch)[1]
+    cfg = {**base, **patch}
+    why = native_blockers(cfg)
+    assert len(why) == 1 and reason in why[0], why
+    assert not is_native(cfg)
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        ModelConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize("arch, patch", [
+    ("llama", {}), ("mistral", {}), ("qwen2", {}),
+    ("llama", {"hidden_act": "gelu_pytorch_tanh"}), ("qwen2", {"hidden_act": "swish"}),
+    ("llama", {"rope_scaling": LLAMA3_ROPE}), ("mistral", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+    ("llama", {"partial_rotary_factor": 0.5}),  # the default rope ignores it, in transformers too
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "layer_types": ["attention", "sliding_attention"]}),
+    ("llama", {"is_causal": True}),
+])
+def test_native_configs_have_no_blockers(arch, patch):
+    from deployments.model.config import is_native, native_blockers
+
+    cfg = {**hf_model(arch)[1], **patch}
+    assert native_blockers(cfg) == [] and is_native(cfg)
+    ModelConfig.from_hf(cfg)
+
+
+def test_unread_fields_name_what_transformers_ignores_too(caplog):
+    from deployments.model.config import unread_fields
+
+    arch, kw = CASES["llama-foreign-fields"]
+    hf, cfg = hf_model(arch, **kw)
+    cfg = {**cfg, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"},
+           "rope_parameters": {**cfg["rope_parameters"], "mrope_section": [2, 3, 3]}}
+    text = "; ".join(unread_fields(cfg))
+    for name in ("final_logit_softcapping=1.0", "attn_logit_softcapping=5.0", "query_pre_attn_scalar=7",
+                 "embedding_multiplier=3.0", "logits_scaling=4.0", "sliding_window=3", "partial_rotary_factor=0.5",
+                 "auto_map=", "mrope_section=[2, 3, 3]"):
+        assert name in text, name
+    with caplog.at_level("WARNING"):
+        model = build_model(cfg, state_tensors(hf))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "final_logit_softcapping=1.0" in warned[0] and "does not read either" in warned[0]
+    assert type(model).__name__ == "Transformer"
+    _same_as_transformers(model, hf)
+    assert unread_fields(hf_model("llama")[1]) == [] and unread_fields(hf_model("qwen2")[1]) == []
+    _, mistral = hf_model("mistral", attention_bias=True, mlp_bias=True, use_sliding_window=False)
+    text = "; ".join(unread_fields(mistral))
+    assert "attention_bias=True (MistralForCausalLM has no biases)" in text and "use_sliding_window=False" in text
+    arch, kw = CASES["mistral-qwen2-window-fields"]
+    text = "; ".join(unread_fields(hf_model(arch, **kw)[1]))
+    assert "layer_types=['sliding_attention', 'full_attention']" in text and "windows every layer" in text
+
+
+@pytest.mark.parametrize("arch, kw, reason", [
+    ("llama", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+    ("qwen2", BLOCKED["yarn"][1], "rope_parameters.rope_type='yarn'"),
+    ("llama", {"is_causal": False}, "is_causal=False"),
+])
+def test_blocked_configs_are_served_by_transformers_with_one_warning(arch, kw, reason, caplog):
+    hf, cfg = hf_model(arch, **kw)
+    with caplog.at_level("WARNING"):
+        model = build_model(cfg, state_tensors(hf))
+    assert type(model).__name__ == "HFModel"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and reason in warned[0] and "through transformers" in warned[0], warned
+    _same_as_transformers(model, hf)
+    if kw.get("is_causal", True):  # the serving path: cached prefill and decode steps, greedy
+        _engine_greedy_equals_transformers(model, hf)
+
+
+def test_a_rope_type_transformers_cannot_build_either_is_refused_naming_the_field():
+    hf, cfg = hf_model("qwen2")
+    cfg = {**cfg, "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+    with pytest.raises(ValueError, match=r"not served natively \(rope_parameters\.rope_type='mrope'.*"
+                                         r"transformers could not build it either: KeyError"):
+        build_model(cfg, state_tensors(hf))
+
+
+def test_quantized_configs_are_refused():
+    _, cfg = hf_model("llama")
+    with pytest.raises(ValueError, match=r"quantization_config.*'fp8'"):
+        ModelConfig.from_hf({**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})

@@ -7,9 +7,9 @@ packed model's tensors become one of them without a copy (``build``)::
 """
 
 from deployments.model.build import build_model, build_native
-from deployments.model.config import NATIVE_ARCHITECTURES, ModelConfig, architecture, is_native
+from deployments.model.config import NATIVE_ARCHITECTURES, ModelConfig, architecture, is_native, native_blockers
 from deployments.model.kv_cache import KVCache
 from deployments.model.llama import Transformer
 
 __all__ = ["KVCache", "ModelConfig", "NATIVE_ARCHITECTURES", "Transformer", "architecture", "build_model",
-           "build_native", "is_native"]
+           "build_native", "is_native", "native_blockers"]

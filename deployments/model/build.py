@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from deployments.kernels import policy
-from deployments.model.config import ModelConfig, is_native
+from deployments.model.config import (NATIVE_ARCHITECTURES, SILU_ACTIVATIONS, ModelConfig, architecture,
+                                      native_blockers, unread_fields)
 from deployments.model.fused import fuse_projections
 from deployments.model.llama import Transformer
 
@@ -99,6 +100,9 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                                    c.head_dim), model.dtype, model.device, lambda: gemv_groups(model),
                                   one_dtype=all(t.dtype == model.dtype for t in model.parameters()))
     model.build_s.update(model.kernels.seconds)
+    if cfg.hidden_act not in SILU_ACTIVATIONS:
+        log.info("hidden_act=%r: the MLP computes it with torch kernels (the fused SwiGLU kernel is SiLU only)",
+                 cfg.hidden_act)
     log.info("decode kernels: %s", model.kernels.describe())
     model.eval()
     model.setup_rope(rope_len or min(cfg.max_position_embeddings, 4096))
@@ -108,14 +112,29 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
 def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> nn.Module:
     """Build the serving model for `config` (an HF config.json dict) from `tensors` (HF names).
 
-    Llama / Mistral / Qwen2 get the native decoder; any other `architectures[0]`
-    is served through transformers' own class (slower start, logged).
+    Llama / Mistral / Qwen2 get the native decoder, unless a field asks for math it does not
+    do (`native_blockers`, listed in deployments.model.config's docstring); those configs and
+    any other `architectures[0]` are served through transformers' own class (slower start,
+    one warning naming the reasons). Fields that transformers' class ignores too get one
+    warning of their own (`unread_fields`).
 
     Example:
         model = build_model(json.load(open(d / "config.json")), safetensors.torch.load_file(f, device="cuda"))
     """
-    if is_native(config):
+    arch = architecture(config)
+    unread = unread_fields(config)
+    if unread:
+        log.warning("%s: config.json sets fields that transformers' %s does not read either, so they change "
+                    "nothing here: %s", arch, arch, "; ".join(unread))
+    why = native_blockers(config)
+    if not why:
         return build_native(config, tensors)
     from deployments.model.hf_fallback import build_hf_model  # imports transformers: only on this path
 
-    return build_hf_model(config, tensors)
+    try:
+        return build_hf_model(config, tensors, why="; ".join(why))
+    except Exception as e:
+        if arch not in NATIVE_ARCHITECTURES:
+            raise
+        raise ValueError(f"{arch}: not served natively ({'; '.join(why)}), and transformers could not build it "
+                         f"either: {type(e).__name__}: {e}") from e

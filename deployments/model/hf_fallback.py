@@ -120,10 +120,13 @@ class HFModel(nn.Module):
         return logits
 
 
-def build_hf_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, reference: bool = False) -> HFModel:
+def build_hf_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, reference: bool = False,
+                   why: str | None = None) -> HFModel:
     """Build transformers' class for `config["architectures"][0]` and assign `tensors` (no copy).
 
-    reference=True only changes the log line (benchmarks build it on purpose).
+    reference=True only changes the log line (benchmarks build it on purpose); `why` is the
+    reason the native decoder does not serve it, for that line (build_model passes
+    deployments.model.config.native_blockers').
     Raises ValueError listing missing checkpoint tensors.
     """
     arch = (config.get("architectures") or ["?"])[0]
@@ -131,7 +134,8 @@ def build_hf_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor
     if reference:
         log.info("building transformers' %s as a reference", arch)
     else:
-        log.warning("no native implementation for %s: serving through transformers (slower start and decode)", arch)
+        log.warning("serving %s through transformers (slower start and decode): %s", arch,
+                    why or f"no native implementation for {arch}")
     import transformers  # noqa: PLC0415 - deliberately lazy, costs seconds
 
     cfg_dict = dict(config)

@@ -27,7 +27,7 @@ from torch import nn
 
 from deployments.kernels import ops
 from deployments.kernels.policy import KernelPlan
-from deployments.model.config import ModelConfig, rope_inv_freq
+from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
 from deployments.model.fused import refresh_copies
 from deployments.model.kv_cache import KVCache
 
@@ -212,16 +212,23 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(F_, D, bias=cfg.mlp_bias)
         self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
         self.gate_up_b: torch.Tensor | None = None
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.silu = cfg.hidden_act in SILU_ACTIVATIONS  # the fused kernel computes SiLU only
 
     def forward(self, x: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         if ctx is not None and ctx.fused and self.gate_up_w is not None:
-            h = ops.silu_mul(_linear(x, self.gate_up_w, self.gate_up_b, ctx))
+            gate_up = _linear(x, self.gate_up_w, self.gate_up_b, ctx)
+            if self.silu:
+                h = ops.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = self.act(gate) * up
             return _linear(h, self.down_proj.weight, self.down_proj.bias, ctx)
         if self.gate_up_w is not None:
             gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
