@@ -464,3 +464,19 @@ def test_one_segment_on_the_gpu(tmp_path):
                          text=True, timeout=300, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got == {"big": False, "after": True, "zeros": 0}
+
+
+def test_default_device_is_cuda_where_available_else_cpu(tiny_packed):
+    """load(path) with no device: the GPU where torch sees one, the CPU otherwise."""
+    m = load(tiny_packed)
+    assert m.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert start_load(tiny_packed).wait().device.type == m.device.type
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cuda_asked_for_without_cuda_says_so(tiny_packed, device):
+    with pytest.raises(ValueError, match=r"CUDA is not available here.*pass device=\"cpu\""):
+        load(tiny_packed, device)
+    with pytest.raises(ValueError, match="CUDA is not available here"):
+        start_load(tiny_packed, device)
