@@ -216,15 +216,91 @@ def test_truncated_shard(tmp_path):
 
 
 def test_dest_exists_needs_force(tiny_hf, tmp_path):
-    dest = tmp_path / "p"
-    dest.mkdir()
-    (dest / "keep").write_text("mine")
+    dest = pack(tiny_hf, tmp_path / "p", PackOptions(progress=False))
+    digest = read_packed(dest).digest
     with pytest.raises(FileExistsError, match="pass --force"):
-        pack(tiny_hf, dest)
-    assert (dest / "keep").read_text() == "mine"
-    pack(tiny_hf, dest, PackOptions(force=True, progress=False))
-    assert not (dest / "keep").exists() and verify(dest).ok
+        pack(tiny_hf, dest, PackOptions(chunk_bytes=8192, progress=False))
+    assert read_packed(dest).digest == digest
+    pack(tiny_hf, dest, PackOptions(chunk_bytes=8192, force=True, progress=False))
+    assert read_packed(dest).digest != digest and verify(dest).ok
     assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temporary left
+
+
+def test_force_replaces_an_empty_directory(tiny_hf, tmp_path):
+    (tmp_path / "p").mkdir()
+    with pytest.raises(FileExistsError, match="pass --force"):
+        pack(tiny_hf, tmp_path / "p")
+    assert verify(pack(tiny_hf, tmp_path / "p", PackOptions(force=True, progress=False))).ok
+
+
+def _not_a_model(root: Path, kind: str) -> Path:
+    d = root / "p"
+    if kind == "file":
+        d.write_text("mine")
+        return d
+    d.mkdir()
+    (d / ("model.cst" if kind == "foreign model.cst" else "keep")).write_text("mine")
+    return d
+
+
+@pytest.mark.parametrize("kind", ["directory", "foreign model.cst", "file"])
+@pytest.mark.parametrize("force", [False, True])
+def test_force_never_replaces_what_is_not_a_packed_model(tiny_hf, tmp_path, kind, force):
+    """--force replaces a packed model or an empty directory, nothing else; the refusal does not
+    suggest --force, since it would not help."""
+    dest = _not_a_model(tmp_path, kind)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(FileExistsError, match=r"p exists and is not a packed model.*will not be "
+                                              r"replaced.*choose another DEST") as e:
+        pack(tiny_hf, dest, PackOptions(force=force, progress=False))
+    assert "pass --force" not in str(e.value)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert "mine" in ((dest / "model.cst") if kind == "foreign model.cst" else
+                      (dest / "keep") if kind == "directory" else dest).read_text()
+
+
+def _copy_src(tiny_hf: Path, root: Path) -> Path:
+    import shutil
+
+    src = root / "models" / "src"
+    shutil.copytree(tiny_hf, src)
+    return src
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["src", "parent", "inside", "link to src", "link to parent",
+                                   "inside a link"])
+@pytest.mark.parametrize("force", [False, True])
+def test_dest_overlapping_src_is_refused_before_anything_is_written(tiny_hf, tmp_path, where, force):
+    src = _copy_src(tiny_hf, tmp_path)
+    (tmp_path / "link-src").symlink_to(src)
+    (tmp_path / "link-parent").symlink_to(src.parent)
+    dest = {"src": src, "parent": src.parent, "inside": src / "new" / "p",
+            "link to src": tmp_path / "link-src", "link to parent": tmp_path / "link-parent",
+            "inside a link": tmp_path / "link-src" / "p"}[where]
+    before = _tree(tmp_path / "models")
+    with pytest.raises(ValueError, match=r"(is|lies inside|contains) SRC") as e:
+        pack(src, dest, PackOptions(force=force, progress=False))
+    assert str(dest) in str(e.value) and str(src) in str(e.value)
+    assert "choose a DEST outside" in str(e.value)
+    assert _tree(tmp_path / "models") == before  # not a byte changed, no folder made
+    assert not (src / "new").exists()
+    assert sorted(p.name for p in src.parent.iterdir()) == ["src"]
+
+
+def test_cli_pack_src_onto_itself_or_its_parent_keeps_the_source(tiny_hf, tmp_path):
+    src = _copy_src(tiny_hf, tmp_path)
+    before = _tree(tmp_path / "models")
+    for dest in (src, src.parent):
+        r = subprocess.run([sys.executable, "-m", "deployments.cli", "pack", str(src), str(dest),
+                            "--force", "-q"], cwd=Path(__file__).parents[1], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and "coldstart pack: error:" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        assert _tree(tmp_path / "models") == before
 
 
 def _big_source(root: Path) -> Path:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from . import checksum
-from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, PREAMBLE_BYTES, WEIGHTS_FILE, Index,
-                     TensorEntry, align_up, encode_preamble, read_json, read_tokenizer)
+from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, MAGIC, PREAMBLE_BYTES, WEIGHTS_FILE,
+                     Index, TensorEntry, align_up, encode_preamble, read_json, read_tokenizer)
 from .sources import SourceError, find_weight_files, iter_tensors, open_sources
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ class PackOptions:
     Attributes:
         dtype: cast floating-point tensors to this dtype (float32, float16 or
             bfloat16); integer tensors (quantized weights) are stored as they are.
-        force: replace an existing DEST.
+        force: replace an existing DEST, if it is a packed model or an empty directory
+            (anything else is never replaced).
         chunk_bytes: checksum chunk size, a multiple of 4096.
         progress: show a progress bar (only on a terminal).
     """
@@ -115,6 +116,58 @@ def _check_side_files(src: Path) -> None:
             raise SourceError(str(e)) from None
 
 
+def _check_apart(src: Path, dest: Path) -> None:
+    """Refuse a DEST that is SRC, lies inside it or contains it: writing or replacing it would
+    change or delete the source. Compared by resolved path and by (device, inode) of the
+    directories on the way up, so symlinks and bind mounts are seen through."""
+    rs, rd = src.resolve(), dest.resolve()
+    fix = f"choose a DEST outside {src}"
+    if rd == rs or _is_within(rd, rs):
+        how = "is" if rd == rs or (rd.exists() and _ident(rd) == _ident(rs)) else "lies inside"
+        raise ValueError(f"DEST {dest} {how} SRC {src}: packing there would overwrite the "
+                         f"source checkpoint; {fix}")
+    if rd.exists() and _is_within(rs, rd):
+        raise ValueError(f"DEST {dest} contains SRC {src}: replacing it would delete the source "
+                         f"checkpoint; {fix}")
+
+
+def _is_within(inner: Path, outer: Path) -> bool:
+    """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
+    lies inside it."""
+    want = _ident(outer)
+    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
+
+
+def _ident(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_dev, st.st_ino
+
+
+def _check_replace(dest: Path, force: bool) -> None:
+    """Refuse an existing DEST unless ``force`` is set and DEST is a packed model (a model.cst
+    with coldstart's magic) or an empty directory: --force never deletes anything else."""
+    if not (dest.exists() or dest.is_symlink()):
+        return
+    if not _replaceable(dest):
+        raise FileExistsError(f"{dest} exists and is not a packed model (no {WEIGHTS_FILE} with a "
+                              "coldstart header, and not an empty directory); it will not be "
+                              "replaced, with --force or without: choose another DEST")
+    if not force:
+        raise FileExistsError(f"{dest} exists; pass --force to replace it")
+
+
+def _replaceable(dest: Path) -> bool:
+    if not dest.is_dir():
+        return False
+    if not any(dest.iterdir()):
+        return True
+    try:
+        with open(dest / WEIGHTS_FILE, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:  # none there, or not a file
+        return False
+
+
 def _stored_dtype(name: str, dtype: str, file: Path, cast: str | None) -> str:
     tdt = getattr(torch, dtype, None) if dtype in DTYPES else None
     if tdt is None:
@@ -140,7 +193,9 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     Raises:
         SourceError: SRC is missing, empty, has no config or weights, a bad shard,
             a duplicate or unsupported tensor.
-        FileExistsError: DEST exists and ``force`` is not set.
+        ValueError: DEST is SRC, contains it or lies inside it (symlinks resolved).
+        FileExistsError: DEST exists and ``force`` is not set, or DEST is something
+            other than a packed model or an empty directory (never replaced).
 
     Example:
         >>> pack("Llama-2-7b-hf", "weights/llama-2-7b", PackOptions(dtype="float16"))
@@ -148,8 +203,8 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     opts = options or PackOptions()
     src, dest = Path(src), Path(dest)
     files = _check_src(src)
-    if dest.exists() and not opts.force:
-        raise FileExistsError(f"{dest} exists; pass --force to replace it")
+    _check_apart(src, dest)
+    _check_replace(dest, opts.force)
     metas, handles, aliases = open_sources(files)
     if not metas:
         raise SourceError(f"{src}: the weight files hold no tensors")
@@ -246,9 +301,8 @@ def _fsync_dir(d: Path) -> None:
 def _publish(tmp: Path, dest: Path, force: bool) -> None:
     """Rename the finished temporary directory to DEST (replacing it under --force)."""
     old = None
-    if dest.exists():
-        if not force:
-            raise FileExistsError(f"{dest} exists; pass --force to replace it")
+    if dest.exists() or dest.is_symlink():
+        _check_replace(dest, force)  # again: it may have appeared while packing
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.rename(dest, old)
     os.rename(tmp, dest)
