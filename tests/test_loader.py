@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import gpu
+from conftest import gpu, rewrite_index
 from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOptions, PhaseTimer,
                      load, pack, read_packed)
 from weights.checksum import chunk_sums
@@ -87,11 +87,17 @@ def test_missing_packed_file(tmp_path):
 
 @pytest.mark.parametrize("text, msg", [("{bad", "not valid JSON"), ("[]", "holds a JSON list, not an object")])
 def test_a_config_broken_after_packing_names_the_file(tiny_packed, tmp_path, text, msg):
+    """Refused as changed since packing (its sha256 is in the index); in a pack from before
+    side-file checksums, by what is wrong with it."""
     import shutil
 
     d = tmp_path / "packed"
     shutil.copytree(tiny_packed, d)
     (d / "config.json").write_text(text)
+    with pytest.raises(PackedFormatError, match="changed since packing") as e:
+        load(d, "cpu")
+    assert str(d / "config.json") in str(e.value) and "re-pack it" in str(e.value)
+    rewrite_index(d, lambda doc: doc.pop("side_files"))
     with pytest.raises(ValueError, match=msg) as e:
         load(d, "cpu")
     assert str(d / "config.json") in str(e.value) and "re-pack the model" in str(e.value)

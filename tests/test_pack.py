@@ -303,6 +303,24 @@ def test_cli_pack_src_onto_itself_or_its_parent_keeps_the_source(tiny_hf, tmp_pa
         assert _tree(tmp_path / "models") == before
 
 
+def test_side_files_are_complete_before_the_preamble_is_written(small_hf, tmp_path, monkeypatch):
+    """The preamble (the magic) is model.cst's last write: by then every side file sits beside
+    it, complete, so a file that opens never lacks its config or tokenizer."""
+    from weights import packer
+
+    seen: list[dict[str, bytes]] = []
+    real = packer.encode_preamble
+
+    def watch(data_bytes, index):
+        tmp = next(d for d in tmp_path.iterdir() if d.name.startswith(".p.partial-"))
+        seen.append({f.name: f.read_bytes() for f in tmp.iterdir() if f.name in packer.SIDE_FILES})
+        return real(data_bytes, index)
+    monkeypatch.setattr(packer, "encode_preamble", watch)
+    pack(small_hf, tmp_path / "p", PackOptions(progress=False))
+    want = {f.name: f.read_bytes() for f in small_hf.iterdir() if f.name in packer.SIDE_FILES}
+    assert len(seen) == 1 and seen[0] == want and "tokenizer.json" in want
+
+
 def _big_source(root: Path) -> Path:
     # ~400 MB in 8 shards: long enough to interrupt half-way
     shards = [{f"layer{i}.w": torch.full((12_500_000,), float(i))} for i in range(8)]

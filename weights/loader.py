@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import checksum, readahead
-from .format import DTYPES, PackedFile, PackedFormatError, read_json, read_packed
+from .format import DTYPES, PackedFile, PackedFormatError, check_side_files, read_json, read_packed
 from .options import LoadOptions
 from .timing import PhaseTimer
 
@@ -87,8 +87,9 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
         ``LoadedModel`` whose ``tensors`` map every name (aliases included) to a
         view of ``buffer``.
     Raises:
-        PackedFormatError: bad structure or a checksum mismatch (names the chunk,
-            its tensors and the file).
+        PackedFormatError: bad structure, a checksum mismatch (names the chunk, its
+            tensors and the file), or a side file (config.json, tokenizer files...)
+            missing, changed, or not listed in the index (names the file).
         DeviceMemoryError: the model does not fit in free device memory.
         ValueError: a device other than cpu and cuda, or cuda where torch sees no GPU.
 
@@ -190,13 +191,17 @@ def start_load(path: str | os.PathLike, device: str | torch.device | None = None
     On a GPU the reads, copies and checksums go on in a background thread; with
     ``hold=True`` they begin only at ``PendingLoad.release()``. On the CPU the load is a
     memory map and its verification, done before this returns. Errors found up front (a
-    bad file, too little device memory) raise here; later ones from ``wait()``.
+    bad file, a side file that does not match the index, too little device memory) raise
+    here; later ones from ``wait()``.
     """
     opts = options or LoadOptions()
     timer = timer or PhaseTimer()
     dev = _device(device)
     with timer.phase("open"):
         packed = read_packed(path)
+        note = check_side_files(packed)  # before any weight byte is read (they are small)
+        if note:
+            log.warning(note)
         d = packed.path.parent
         config = _read_config(d)
     if dev.type == "cpu":

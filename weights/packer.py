@@ -22,18 +22,13 @@ import numpy as np
 import torch
 
 from . import checksum
-from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, MAGIC, PREAMBLE_BYTES, WEIGHTS_FILE,
-                     Index, TensorEntry, align_up, encode_preamble, read_json, read_tokenizer)
+from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, MAGIC, PREAMBLE_BYTES, SIDE_FILES,
+                     WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
+                     file_sha256, read_json, read_tokenizer)
 from .sources import SourceError, find_weight_files, iter_tensors, open_sources
 
 log = logging.getLogger(__name__)
 
-# Files that travel with the weights so the packed directory alone serves the model.
-SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-)
 CAST_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -225,11 +220,10 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
+        # side files first: a model.cst with a valid preamble always has them complete beside it
+        side = _copy_side_files(src, tmp)
         _write_weights(tmp / WEIGHTS_FILE, files, handles, by_name, data_bytes, aliases, opts,
-                       {"source": src.name, "cast": opts.dtype})
-        for f in SIDE_FILES:
-            if (src / f).is_file():
-                shutil.copy2(src / f, tmp / f)
+                       {"source": src.name, "cast": opts.dtype}, side)
         _fsync_dir(tmp)
         _publish(tmp, dest, opts.force)
     except BaseException:
@@ -243,8 +237,25 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     return dest
 
 
+def _copy_side_files(src: Path, tmp: Path) -> dict[str, SideFile]:
+    """Copy SRC's side files into ``tmp``, each fsynced; their index entries, hashed from the
+    copies (what the packed directory will hold)."""
+    out = {}
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+            fd = os.open(tmp / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            out[name] = SideFile(file_sha256(tmp / name), (tmp / name).stat().st_size)
+    return out
+
+
 def _write_weights(path: Path, files, handles, by_name: dict[str, TensorEntry], data_bytes: int,
-                   aliases: dict[str, str], opts: PackOptions, meta: dict) -> None:
+                   aliases: dict[str, str], opts: PackOptions, meta: dict,
+                   side: dict[str, SideFile]) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.ftruncate(fd, PREAMBLE_BYTES + data_bytes)  # zero padding for free (sparse)
@@ -264,7 +275,7 @@ def _write_weights(path: Path, files, handles, by_name: dict[str, TensorEntry], 
         sums = checksum.chunk_sums(torch.from_numpy(region), opts.chunk_bytes)
         del region
         index = Index(sorted(by_name.values(), key=lambda e: e.offset), opts.chunk_bytes, sums,
-                      aliases, meta).to_bytes()
+                      aliases, meta, side).to_bytes()
         _pwrite_all(fd, np.frombuffer(index, np.uint8), PREAMBLE_BYTES + data_bytes, path, "index")
         # The preamble goes last: until it is written the file has no valid magic.
         _pwrite_all(fd, np.frombuffer(encode_preamble(data_bytes, index), np.uint8), 0, path, "header")
