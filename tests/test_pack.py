@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import make_hf_dir, write_safetensors
-from weights import PackOptions, SourceError, load, pack, read_packed, verify
+from weights import PackedFormatError, PackOptions, SourceError, load, pack, read_packed, verify
 from weights.format import ALIGN, WEIGHTS_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -296,7 +298,7 @@ def test_cli_pack_src_onto_itself_or_its_parent_keeps_the_source(tiny_hf, tmp_pa
     before = _tree(tmp_path / "models")
     for dest in (src, src.parent):
         r = subprocess.run([sys.executable, "-m", "deployments.cli", "pack", str(src), str(dest),
-                            "--force", "-q"], cwd=Path(__file__).parents[1], capture_output=True,
+                            "--force", "-q"], cwd=ROOT, check=False, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 2 and "coldstart pack: error:" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr
@@ -327,33 +329,154 @@ def _big_source(root: Path) -> Path:
     return make_hf_dir(root, shards)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_interrupted_pack_leaves_no_valid_dest(tmp_path, sig):
-    src = _big_source(tmp_path / "src")
-    dest = tmp_path / "out" / "p"
-    code = ("import sys; from weights import pack, PackOptions; "
-            f"pack({str(src)!r}, {str(dest)!r}, PackOptions(progress=False))")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
-    deadline = time.time() + 60
-    partial = None
-    while time.time() < deadline and partial is None:
-        found = list((tmp_path / "out").glob(".p.partial-*/" + WEIGHTS_FILE)) \
-            if (tmp_path / "out").exists() else []
-        if found and found[0].stat().st_size > 0:
-            partial = found[0]
+def _start_pack(src: Path, dest: Path, before: str = "", stderr=None) -> subprocess.Popen:
+    """``pack(src, dest, force=True)`` in a process of its own, logging at INFO to stderr;
+    ``before``: code run first in it (to stop it at a chosen point)."""
+    code = ("import logging, os, signal, sys, time; logging.basicConfig(level=logging.INFO); "
+            "from weights import PackOptions, pack, packer; " + (before and before + "; ") +
+            f"pack({str(src)!r}, {str(dest)!r}, PackOptions(force=True, progress=False))")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=stderr)
+
+
+def _wait_for(what: str, found) -> Path:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        hit = found()
+        if hit:
+            return hit
         time.sleep(0.005)
-    assert partial is not None, "pack never started writing"
+    raise AssertionError(f"never saw {what}")
+
+
+def _writing(parent: Path) -> Path | None:
+    """The weights file a running pack into ``parent / "p"`` is writing, once it has bytes."""
+    hits = list(parent.glob(".p.partial-*/model.cst.partial")) if parent.exists() else []
+    return hits[0] if hits and hits[0].stat().st_size > 0 else None
+
+
+def _assert_not_a_model(d: Path) -> None:
+    """A pack's leftover: no model.cst, and every reader refuses it, saying what it is."""
+    assert not (d / WEIGHTS_FILE).exists()
+    for check in (read_packed, verify, lambda x: load(x, "cpu")):
+        with pytest.raises(PackedFormatError, match="leftover of an interrupted `coldstart pack`"):
+            check(d)
+    r = subprocess.run([sys.executable, "-m", "deployments.cli", "verify", str(d)], cwd=ROOT,
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "leftover of an interrupted" in r.stderr, r.stderr
+
+
+def _pack_again_cleans_up(src: Path, out: Path, caplog, leftovers: list[Path]) -> None:
+    with caplog.at_level("INFO", logger="weights.packer"):
+        pack(src, out / "p", PackOptions(force=True, progress=False))
+    assert verify(out / "p").ok
+    assert [p.name for p in out.iterdir()] == ["p"]  # leftovers and the lock file gone
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed ")]
+    assert len(removed) == len(leftovers)
+    for d, line in zip(sorted(leftovers), sorted(removed)):
+        assert line.startswith(f"removed {d}, left by an interrupted pack into {out / 'p'} (")
+        assert line.endswith(" MiB)")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_pack_leaves_no_model_and_the_next_pack_cleans_up(tmp_path, caplog, sig):
+    src = _big_source(tmp_path / "src")
+    out = tmp_path / "out"
+    proc = _start_pack(src, out / "p")
+    _wait_for("the pack writing", lambda: _writing(out))
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode != 0
-    assert not dest.exists()
-    leftovers = list((tmp_path / "out").iterdir())
+    assert not (out / "p").exists()
+    leftovers = [d for d in out.iterdir() if d.name.startswith(".p.partial-")]
     if sig == signal.SIGINT:
-        assert leftovers == []  # cleaned up on KeyboardInterrupt
-    for d in leftovers:  # SIGKILL cannot be caught: what is left is not a valid packed file
-        assert d.name.startswith(".p.partial-")
-        with pytest.raises(Exception):
-            read_packed(d)
+        assert list(out.iterdir()) == []  # cleaned up on KeyboardInterrupt, lock file too
+    else:  # SIGKILL cannot be caught: its directory, named with its pid, and the lock file stay
+        assert [d.name.split("-")[1] for d in leftovers] == [str(proc.pid)]
+        assert sorted(p.name for p in out.iterdir()) == sorted([leftovers[0].name, ".p.lock"])
+        _assert_not_a_model(leftovers[0])
+    _pack_again_cleans_up(src, out, caplog, leftovers)
+
+
+def test_a_pack_killed_after_its_header_leaves_nothing_that_verifies(tiny_hf, tmp_path, caplog):
+    """Killed after the preamble (the magic) of the weights was written, before the last
+    renames: the weights are complete but not named model.cst, and the directory is refused."""
+    out = tmp_path / "out"
+    kill = ("real = packer._pwrite_all; packer._pwrite_all = lambda fd, buf, off, f, name: "
+            "(real(fd, buf, off, f, name), name == 'header' and os.kill(os.getpid(), signal.SIGKILL))")
+    proc = _start_pack(tiny_hf, out / "p", kill)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    (left,) = [d for d in out.iterdir() if d.name.startswith(".p.partial-")]
+    assert (left / "model.cst.partial").read_bytes()[:8] == b"CLDSTRT\x00"  # it got that far
+    assert (left / "tokenizer.json").read_bytes() == (tiny_hf / "tokenizer.json").read_bytes()
+    _assert_not_a_model(left)
+    r = subprocess.run([sys.executable, "-m", "deployments.cli", "verify", str(out / "p")], cwd=ROOT,
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    _pack_again_cleans_up(tiny_hf, out, caplog, [left])
+
+
+def test_two_packs_into_one_dest_run_one_after_the_other(tiny_hf, tmp_path):
+    """The second pack waits for the first (it holds the lock, here until the test opens a
+    gate), then replaces its result; neither removes the other's files."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    hold = ("real = packer._copy_side_files; packer._copy_side_files = lambda *a: "
+            f"([time.sleep(0.01) for _ in iter(lambda: os.path.exists({str(gate)!r}), True)], "
+            "real(*a))[1]")
+    first = _start_pack(tiny_hf, out / "p", hold)
+    _wait_for("the first pack's directory", lambda: list(out.glob(".p.partial-*")) if out.exists() else [])
+    with open(tmp_path / "second.log", "w") as log:
+        second = _start_pack(tiny_hf, out / "p", stderr=log)
+        _wait_for("the second pack waiting", lambda: "waiting for it to finish" in
+                  (tmp_path / "second.log").read_text())
+    assert second.poll() is None and not (out / "p").exists()
+    gate.touch()
+    assert first.wait(timeout=300) == 0 and second.wait(timeout=300) == 0
+    assert verify(out / "p").ok
+    assert [p.name for p in out.iterdir()] == ["p"]
+    assert "removed" not in (tmp_path / "second.log").read_text()
+
+
+def test_leftovers_of_running_packs_and_of_other_dests_are_kept(tiny_hf, tmp_path, caplog):
+    """What a pack into DEST removes: leftovers of packs into DEST whose process is gone, and
+    those named without a pid (by an older coldstart); nothing of a live process, nothing else."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    alive = subprocess.Popen(["sleep", "600"])
+    try:
+        gone = [f".p.partial-{dead}-abcd_123", ".p.partial-x7k2q9zz", f".p.old-{dead}",
+                f".p.old-{dead}-0123abcd"]
+        kept = [f".p.partial-{alive.pid}-abcd_123", f".q.partial-{dead}-abcd_123", "p.partial-notes",
+                f".p.partial-{dead}-abcd_123.bak"]
+        for name in gone + kept:
+            (out / name).mkdir()
+            (out / name / "model.cst.partial").write_bytes(os.urandom(1 << 20))
+        with caplog.at_level("INFO", logger="weights.packer"):
+            pack(tiny_hf, out / "p", PackOptions(progress=False))
+        assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["p"])
+        lines = [r.getMessage() for r in caplog.records]
+        for name in gone:
+            assert any(m.startswith(f"removed {out / name}, left by an interrupted pack into "
+                                    f"{out / 'p'} (1.0 MiB)") for m in lines), (name, lines)
+        assert any(m.startswith(f"kept {out / kept[0]}: the pack that left it (pid {alive.pid})")
+                   for m in lines)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_complete_pack_left_under_its_temporary_name_is_refused(tiny_packed, tmp_path):
+    """Killed between the weights' rename and the directory's: complete, yet not published."""
+    import shutil
+
+    left = tmp_path / ".m.partial-4242-abcd_123"
+    shutil.copytree(tiny_packed, left)
+    with pytest.raises(PackedFormatError, match=rf"leftover of an interrupted `coldstart pack` into "
+                                                rf"{tmp_path / 'm'}, not a packed model"):
+        read_packed(left / "model.cst")
+    shutil.copytree(left, tmp_path / "m")  # renamed by hand: a model like any other
+    assert verify(tmp_path / "m").ok
 
 
 def test_index_decides_which_files_are_the_model(tmp_path):

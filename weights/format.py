@@ -8,6 +8,10 @@ A packed model is a directory::
       generation_config.json    (if the source had one)
       tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...
 
+A pack writes it as a temporary ``.<name>.partial-*`` directory beside it and
+renames that to ``<name>`` when complete (``weights.packer``); ``read_packed``
+refuses such a temporary directory.
+
 ``model.cst`` layout (all integers little-endian)::
 
     offset 0        preamble, PREAMBLE_BYTES (4096) bytes:
@@ -269,6 +273,7 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     p = Path(path)
     if p.is_dir() or (p.name != WEIGHTS_FILE and not p.exists()):  # a packed directory, made or not
         p = p / WEIGHTS_FILE
+    _refuse_leftover(p.parent)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no packed weight file ({p.name} missing); make one with "
                                 f"`coldstart pack HF_DIR {p.parent}`")
@@ -304,6 +309,20 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
         raise _fail(p, "index is corrupt (sha256 mismatch); re-pack or re-copy the file")
     index = _parse_index(p, raw, data_bytes)
     return PackedFile(p, size, data_off, data_bytes, index, index_sha.hex())
+
+
+# a pack's temporary directory (weights.packer): ".NAME.partial-PID-XXXXXXXX"; no PID from older packs
+_PARTIAL_DIR = re.compile(r"\.(.+)\.partial-(?:\d+-)?[a-z0-9_]{8}")
+
+
+def _refuse_leftover(d: Path) -> None:
+    """A pack's temporary directory is never a model, even one whose pack got as far as its
+    last rename: refused by name, saying what it is."""
+    m = _PARTIAL_DIR.fullmatch(d.resolve().name)
+    if m:
+        dest = d.resolve().parent / m.group(1)
+        raise _fail(d, f"the leftover of an interrupted `coldstart pack` into {dest}, not a packed "
+                       f"model; pack again (the next pack into {dest} removes it) or delete it")
 
 
 def _parse_index(p: Path, raw: bytes, data_bytes: int) -> Index:

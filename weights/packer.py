@@ -2,16 +2,41 @@
 
 Streams tensor by tensor (the model is never instantiated and never held twice
 in memory), lays tensors out sorted by name, each 4 KiB-aligned, writes the
-chunk checksums and the index, and publishes DEST atomically: everything is
-written under a temporary name beside DEST, fsynced, then renamed. An
-interrupted or failed pack leaves no DEST that looks valid.
+chunk checksums and the index, and publishes DEST atomically.
+
+Publishing. Everything is written in a temporary directory beside DEST,
+``.NAME.partial-PID-XXXXXXXX`` (PID: the packing process), in this order: the
+side files, each fsynced; the weights as ``model.cst.partial`` (data, index, and
+last the preamble, so until then it has no valid magic), fsynced; then
+``model.cst.partial`` is renamed ``model.cst``, the directory is fsynced and
+renamed to DEST. An existing DEST (only under --force, and only a packed model
+or an empty directory) is first renamed aside as ``.NAME.old-PID-XXXXXXXX`` and
+removed after. So only a finished pack's directory holds a ``model.cst``: a pack
+interrupted at any point leaves no DEST and no ``model.cst`` anywhere, and
+``read_packed`` also refuses a ``.NAME.partial-*`` directory by name, saying it
+is such a leftover. (Marking completion by the last rename, rather than by a
+flag inside the file, keeps every reader, old ones included, from taking a
+partial file for a model, and needs nothing but rename's atomicity.)
+
+Leftovers. A pack that is killed (SIGKILL, a crash, a power cut) cannot remove
+its temporary directory, a full-size copy of the model. While it runs, a pack
+holds an ``flock`` on ``.NAME.lock`` in DEST's parent, so two packs into one
+DEST run one after the other, and a pack that holds it knows that no other pack
+into DEST is running: it removes the ``.NAME.partial-*`` and ``.NAME.old-*``
+leftovers of earlier packs into DEST, logging each with its size. It keeps one
+whose PID is a process still running, which is also what protects a running
+pack where the filesystem has no locks; leftovers named without a PID (by an
+older coldstart) are removed only under the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -30,6 +55,7 @@ from .sources import SourceError, find_weight_files, iter_tensors, open_sources
 log = logging.getLogger(__name__)
 
 CAST_DTYPES = ("float32", "float16", "bfloat16")
+_PARTIAL = WEIGHTS_FILE + ".partial"  # the weights' name until the pack is complete
 
 
 @dataclass(frozen=True)
@@ -217,24 +243,35 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     by_name = {e.name: e for e in entries}
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
-        # side files first: a model.cst with a valid preamble always has them complete beside it
-        side = _copy_side_files(src, tmp)
-        _write_weights(tmp / WEIGHTS_FILE, files, handles, by_name, data_bytes, aliases, opts,
-                       {"source": src.name, "cast": opts.dtype}, side)
-        _fsync_dir(tmp)
-        _publish(tmp, dest, opts.force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with _locked(dest) as locked:
+            _check_replace(dest, opts.force)  # again: another pack may have published it meanwhile
+            _remove_leftovers(dest, src, locked)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{os.getpid()}-", dir=dest.parent))
+            try:
+                _write_pack(tmp, src, files, handles, by_name, data_bytes, aliases, opts)
+                _publish(tmp, dest, opts.force)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     finally:
         for h in handles:
             if hasattr(h, "close"):
                 h.close()
     log.info("packed %d tensors (%.2f GB) from %s into %s", len(entries), data_bytes / 1e9, src, dest)
     return dest
+
+
+def _write_pack(tmp: Path, src: Path, files, handles, by_name: dict[str, TensorEntry],
+                data_bytes: int, aliases: dict[str, str], opts: PackOptions) -> None:
+    """Write the packed model into ``tmp``: side files, then the weights as model.cst.partial,
+    renamed model.cst once complete, all fsynced (see the module's docstring for why)."""
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+    side = _copy_side_files(src, tmp)
+    _write_weights(tmp / _PARTIAL, files, handles, by_name, data_bytes, aliases, opts,
+                   {"source": src.name, "cast": opts.dtype}, side)
+    os.rename(tmp / _PARTIAL, tmp / WEIGHTS_FILE)  # complete from here on
+    _fsync_dir(tmp)
 
 
 def _copy_side_files(src: Path, tmp: Path) -> dict[str, SideFile]:
@@ -313,8 +350,8 @@ def _publish(tmp: Path, dest: Path, force: bool) -> None:
     """Rename the finished temporary directory to DEST (replacing it under --force)."""
     old = None
     if dest.exists() or dest.is_symlink():
-        _check_replace(dest, force)  # again: it may have appeared while packing
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        _check_replace(dest, force)
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
         os.rename(dest, old)
     os.rename(tmp, dest)
     fd = os.open(dest.parent, os.O_RDONLY)
@@ -323,7 +360,108 @@ def _publish(tmp: Path, dest: Path, force: bool) -> None:
     finally:
         os.close(fd)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):  # what is left, the next pack into DEST removes
+            _remove(old)
+
+
+@contextlib.contextmanager
+def _locked(dest: Path):
+    """Hold an exclusive flock on ``.NAME.lock`` beside DEST while the body runs (waiting for
+    another pack into DEST to finish); yields whether it is held: False where the filesystem
+    refuses locks. The holder removes the file as it lets go; a waiter that then gets the lock
+    of the removed file sees that and locks the path's new file instead."""
+    path = dest.with_name(f".{dest.name}.lock")
+    fd = _lock(path, dest)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
+
+
+def _lock(path: Path, dest: Path) -> int | None:
+    """A descriptor of ``path`` holding its exclusive flock (waiting for the holder to let go);
+    None where the filesystem refuses locks."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("another pack into %s is running: waiting for it to finish", dest)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # ENOLCK, EOPNOTSUPP: some network filesystems
+            os.close(fd)
+            log.warning("cannot lock %s (%s): packs into %s are not serialized; leftovers of "
+                        "earlier packs are removed only where their process has ended", path, e, dest)
+            return None
+        try:
+            st, now = os.fstat(fd), os.stat(path)
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder removed that file as it let go: lock the path's new one
+
+
+def _leftover_re(dest: Path) -> re.Pattern:
+    """Names of the temporary and set-aside directories of packs into DEST; group 1 or 2: the
+    packing process's pid (none in a temporary directory named by an older coldstart)."""
+    n = re.escape(dest.name)
+    return re.compile(rf"\.{n}\.(?:partial-(?:(\d+)-)?[a-z0-9_]{{8}}|old-(\d+)(?:-[0-9a-f]{{8}})?)")
+
+
+def _remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
+    """Remove what earlier packs into DEST left in its parent, but never a running pack's (see
+    the module's docstring) nor SRC."""
+    pattern, rs = _leftover_re(dest), src.resolve()
+    for p in sorted(dest.parent.iterdir()):
+        m = pattern.fullmatch(p.name)
+        if not m or _is_within(rs, p.resolve()):
+            continue
+        digits = m.group(1) or m.group(2)
+        pid = int(digits) if digits else None
+        if not _ended(pid, locked):
+            log.info("kept %s: the pack that left it (pid %s) may still be running", p, pid)
+            continue
+        size = _disk_bytes(p)
+        try:
+            _remove(p)
+        except OSError as e:
+            log.warning("could not remove %s, left by an earlier pack into %s: %s", p, dest, e)
+            continue
+        log.info("removed %s, left by an interrupted pack into %s (%.1f MiB)", p, dest, size / 2**20)
+
+
+def _ended(pid: int | None, locked: bool) -> bool:
+    """Whether the pack that left a leftover has ended: its process is gone. Under the lock, one
+    with no pid or with ours is no running pack's (each running pack holds the lock)."""
+    if pid is None or pid == os.getpid():
+        return locked
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    return False
+
+
+def _disk_bytes(p: Path) -> int:
+    """Bytes that ``p`` takes on disk (a partial model.cst is sparse where it was not written)."""
+    if not p.is_dir() or p.is_symlink():
+        return p.lstat().st_blocks * 512
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
+               for d, _, fs in os.walk(p) for f in fs)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
 
 
 class _NoBar:
