@@ -66,3 +66,18 @@ def make_hf_dir(root: Path, shards: list[dict[str, torch.Tensor]], config: dict 
     for i, sd in enumerate(shards):
         write_safetensors(root / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sd)
     return root
+
+
+def rewrite_index(d: Path, edit) -> None:
+    """Rewrite a packed model's index with ``edit(doc)`` applied, and a consistent hash and crc
+    (a file as another coldstart, or an older one, would have written it)."""
+    from weights.format import PREAMBLE_BYTES, encode_preamble, read_packed
+
+    f = d / "model.cst"
+    pf = read_packed(d)
+    raw = f.read_bytes()
+    doc = json.loads(raw[PREAMBLE_BYTES + pf.data_bytes:])
+    edit(doc)
+    index = json.dumps(doc).encode()
+    f.write_bytes(encode_preamble(pf.data_bytes, index) + raw[PREAMBLE_BYTES:PREAMBLE_BYTES + pf.data_bytes]
+                  + index)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import gpu
+from conftest import gpu, rewrite_index
 from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOptions, PhaseTimer,
                      load, pack, read_packed)
 from weights.checksum import chunk_sums
@@ -87,11 +87,17 @@ def test_missing_packed_file(tmp_path):
 
 @pytest.mark.parametrize("text, msg", [("{bad", "not valid JSON"), ("[]", "holds a JSON list, not an object")])
 def test_a_config_broken_after_packing_names_the_file(tiny_packed, tmp_path, text, msg):
+    """Refused as changed since packing (its sha256 is in the index); in a pack from before
+    side-file checksums, by what is wrong with it."""
     import shutil
 
     d = tmp_path / "packed"
     shutil.copytree(tiny_packed, d)
     (d / "config.json").write_text(text)
+    with pytest.raises(PackedFormatError, match="changed since packing") as e:
+        load(d, "cpu")
+    assert str(d / "config.json") in str(e.value) and "re-pack it" in str(e.value)
+    rewrite_index(d, lambda doc: doc.pop("side_files"))
     with pytest.raises(ValueError, match=msg) as e:
         load(d, "cpu")
     assert str(d / "config.json") in str(e.value) and "re-pack the model" in str(e.value)
@@ -464,3 +470,19 @@ def test_one_segment_on_the_gpu(tmp_path):
                          text=True, timeout=300, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     assert got == {"big": False, "after": True, "zeros": 0}
+
+
+def test_default_device_is_cuda_where_available_else_cpu(tiny_packed):
+    """load(path) with no device: the GPU where torch sees one, the CPU otherwise."""
+    m = load(tiny_packed)
+    assert m.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert start_load(tiny_packed).wait().device.type == m.device.type
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cuda_asked_for_without_cuda_says_so(tiny_packed, device):
+    with pytest.raises(ValueError, match=r"CUDA is not available here.*pass device=\"cpu\""):
+        load(tiny_packed, device)
+    with pytest.raises(ValueError, match="CUDA is not available here"):
+        start_load(tiny_packed, device)

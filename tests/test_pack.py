@@ -15,8 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import make_hf_dir, write_safetensors
-from weights import PackOptions, SourceError, load, pack, read_packed, verify
+from weights import PackedFormatError, PackOptions, SourceError, load, pack, read_packed, verify
 from weights.format import ALIGN, WEIGHTS_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -216,15 +218,109 @@ def test_truncated_shard(tmp_path):
 
 
 def test_dest_exists_needs_force(tiny_hf, tmp_path):
-    dest = tmp_path / "p"
-    dest.mkdir()
-    (dest / "keep").write_text("mine")
+    dest = pack(tiny_hf, tmp_path / "p", PackOptions(progress=False))
+    digest = read_packed(dest).digest
     with pytest.raises(FileExistsError, match="pass --force"):
-        pack(tiny_hf, dest)
-    assert (dest / "keep").read_text() == "mine"
-    pack(tiny_hf, dest, PackOptions(force=True, progress=False))
-    assert not (dest / "keep").exists() and verify(dest).ok
+        pack(tiny_hf, dest, PackOptions(chunk_bytes=8192, progress=False))
+    assert read_packed(dest).digest == digest
+    pack(tiny_hf, dest, PackOptions(chunk_bytes=8192, force=True, progress=False))
+    assert read_packed(dest).digest != digest and verify(dest).ok
     assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temporary left
+
+
+def test_force_replaces_an_empty_directory(tiny_hf, tmp_path):
+    (tmp_path / "p").mkdir()
+    with pytest.raises(FileExistsError, match="pass --force"):
+        pack(tiny_hf, tmp_path / "p")
+    assert verify(pack(tiny_hf, tmp_path / "p", PackOptions(force=True, progress=False))).ok
+
+
+def _not_a_model(root: Path, kind: str) -> Path:
+    d = root / "p"
+    if kind == "file":
+        d.write_text("mine")
+        return d
+    d.mkdir()
+    (d / ("model.cst" if kind == "foreign model.cst" else "keep")).write_text("mine")
+    return d
+
+
+@pytest.mark.parametrize("kind", ["directory", "foreign model.cst", "file"])
+@pytest.mark.parametrize("force", [False, True])
+def test_force_never_replaces_what_is_not_a_packed_model(tiny_hf, tmp_path, kind, force):
+    """--force replaces a packed model or an empty directory, nothing else; the refusal does not
+    suggest --force, since it would not help."""
+    dest = _not_a_model(tmp_path, kind)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(FileExistsError, match=r"p exists and is not a packed model.*will not be "
+                                              r"replaced.*choose another DEST") as e:
+        pack(tiny_hf, dest, PackOptions(force=force, progress=False))
+    assert "pass --force" not in str(e.value)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert "mine" in ((dest / "model.cst") if kind == "foreign model.cst" else
+                      (dest / "keep") if kind == "directory" else dest).read_text()
+
+
+def _copy_src(tiny_hf: Path, root: Path) -> Path:
+    import shutil
+
+    src = root / "models" / "src"
+    shutil.copytree(tiny_hf, src)
+    return src
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["src", "parent", "inside", "link to src", "link to parent",
+                                   "inside a link"])
+@pytest.mark.parametrize("force", [False, True])
+def test_dest_overlapping_src_is_refused_before_anything_is_written(tiny_hf, tmp_path, where, force):
+    src = _copy_src(tiny_hf, tmp_path)
+    (tmp_path / "link-src").symlink_to(src)
+    (tmp_path / "link-parent").symlink_to(src.parent)
+    dest = {"src": src, "parent": src.parent, "inside": src / "new" / "p",
+            "link to src": tmp_path / "link-src", "link to parent": tmp_path / "link-parent",
+            "inside a link": tmp_path / "link-src" / "p"}[where]
+    before = _tree(tmp_path / "models")
+    with pytest.raises(ValueError, match=r"(is|lies inside|contains) SRC") as e:
+        pack(src, dest, PackOptions(force=force, progress=False))
+    assert str(dest) in str(e.value) and str(src) in str(e.value)
+    assert "choose a DEST outside" in str(e.value)
+    assert _tree(tmp_path / "models") == before  # not a byte changed, no folder made
+    assert not (src / "new").exists()
+    assert sorted(p.name for p in src.parent.iterdir()) == ["src"]
+
+
+def test_cli_pack_src_onto_itself_or_its_parent_keeps_the_source(tiny_hf, tmp_path):
+    src = _copy_src(tiny_hf, tmp_path)
+    before = _tree(tmp_path / "models")
+    for dest in (src, src.parent):
+        r = subprocess.run([sys.executable, "-m", "deployments.tools.cli", "pack", str(src), str(dest),
+                            "--force", "-q"], cwd=ROOT, check=False, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and "coldstart pack: error:" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        assert _tree(tmp_path / "models") == before
+
+
+def test_side_files_are_complete_before_the_preamble_is_written(small_hf, tmp_path, monkeypatch):
+    """The preamble (the magic) is model.cst's last write: by then every side file sits beside
+    it, complete, so a file that opens never lacks its config or tokenizer."""
+    from weights import packer
+
+    seen: list[dict[str, bytes]] = []
+    real = packer.encode_preamble
+
+    def watch(data_bytes, index):
+        tmp = next(d for d in tmp_path.iterdir() if d.name.startswith(".p.partial-"))
+        seen.append({f.name: f.read_bytes() for f in tmp.iterdir() if f.name in packer.SIDE_FILES})
+        return real(data_bytes, index)
+    monkeypatch.setattr(packer, "encode_preamble", watch)
+    pack(small_hf, tmp_path / "p", PackOptions(progress=False))
+    want = {f.name: f.read_bytes() for f in small_hf.iterdir() if f.name in packer.SIDE_FILES}
+    assert len(seen) == 1 and seen[0] == want and "tokenizer.json" in want
 
 
 def _big_source(root: Path) -> Path:
@@ -233,33 +329,154 @@ def _big_source(root: Path) -> Path:
     return make_hf_dir(root, shards)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_interrupted_pack_leaves_no_valid_dest(tmp_path, sig):
-    src = _big_source(tmp_path / "src")
-    dest = tmp_path / "out" / "p"
-    code = ("import sys; from weights import pack, PackOptions; "
-            f"pack({str(src)!r}, {str(dest)!r}, PackOptions(progress=False))")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
-    deadline = time.time() + 60
-    partial = None
-    while time.time() < deadline and partial is None:
-        found = list((tmp_path / "out").glob(".p.partial-*/" + WEIGHTS_FILE)) \
-            if (tmp_path / "out").exists() else []
-        if found and found[0].stat().st_size > 0:
-            partial = found[0]
+def _start_pack(src: Path, dest: Path, before: str = "", stderr=None) -> subprocess.Popen:
+    """``pack(src, dest, force=True)`` in a process of its own, logging at INFO to stderr;
+    ``before``: code run first in it (to stop it at a chosen point)."""
+    code = ("import logging, os, signal, sys, time; logging.basicConfig(level=logging.INFO); "
+            "from weights import PackOptions, pack, packer; " + (before and before + "; ") +
+            f"pack({str(src)!r}, {str(dest)!r}, PackOptions(force=True, progress=False))")
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=stderr)
+
+
+def _wait_for(what: str, found) -> Path:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        hit = found()
+        if hit:
+            return hit
         time.sleep(0.005)
-    assert partial is not None, "pack never started writing"
+    raise AssertionError(f"never saw {what}")
+
+
+def _writing(parent: Path) -> Path | None:
+    """The weights file a running pack into ``parent / "p"`` is writing, once it has bytes."""
+    hits = list(parent.glob(".p.partial-*/model.cst.partial")) if parent.exists() else []
+    return hits[0] if hits and hits[0].stat().st_size > 0 else None
+
+
+def _assert_not_a_model(d: Path) -> None:
+    """A pack's leftover: no model.cst, and every reader refuses it, saying what it is."""
+    assert not (d / WEIGHTS_FILE).exists()
+    for check in (read_packed, verify, lambda x: load(x, "cpu")):
+        with pytest.raises(PackedFormatError, match="leftover of an interrupted `coldstart pack`"):
+            check(d)
+    r = subprocess.run([sys.executable, "-m", "deployments.tools.cli", "verify", str(d)], cwd=ROOT,
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "leftover of an interrupted" in r.stderr, r.stderr
+
+
+def _pack_again_cleans_up(src: Path, out: Path, caplog, leftovers: list[Path]) -> None:
+    with caplog.at_level("INFO", logger="weights.packer"):
+        pack(src, out / "p", PackOptions(force=True, progress=False))
+    assert verify(out / "p").ok
+    assert [p.name for p in out.iterdir()] == ["p"]  # leftovers and the lock file gone
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed ")]
+    assert len(removed) == len(leftovers)
+    for d, line in zip(sorted(leftovers), sorted(removed)):
+        assert line.startswith(f"removed {d}, left by an interrupted pack into {out / 'p'} (")
+        assert line.endswith(" MiB)")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_pack_leaves_no_model_and_the_next_pack_cleans_up(tmp_path, caplog, sig):
+    src = _big_source(tmp_path / "src")
+    out = tmp_path / "out"
+    proc = _start_pack(src, out / "p")
+    _wait_for("the pack writing", lambda: _writing(out))
     proc.send_signal(sig)
     proc.wait(timeout=60)
     assert proc.returncode != 0
-    assert not dest.exists()
-    leftovers = list((tmp_path / "out").iterdir())
+    assert not (out / "p").exists()
+    leftovers = [d for d in out.iterdir() if d.name.startswith(".p.partial-")]
     if sig == signal.SIGINT:
-        assert leftovers == []  # cleaned up on KeyboardInterrupt
-    for d in leftovers:  # SIGKILL cannot be caught: what is left is not a valid packed file
-        assert d.name.startswith(".p.partial-")
-        with pytest.raises(Exception):
-            read_packed(d)
+        assert list(out.iterdir()) == []  # cleaned up on KeyboardInterrupt, lock file too
+    else:  # SIGKILL cannot be caught: its directory, named with its pid, and the lock file stay
+        assert [d.name.split("-")[1] for d in leftovers] == [str(proc.pid)]
+        assert sorted(p.name for p in out.iterdir()) == sorted([leftovers[0].name, ".p.lock"])
+        _assert_not_a_model(leftovers[0])
+    _pack_again_cleans_up(src, out, caplog, leftovers)
+
+
+def test_a_pack_killed_after_its_header_leaves_nothing_that_verifies(tiny_hf, tmp_path, caplog):
+    """Killed after the preamble (the magic) of the weights was written, before the last
+    renames: the weights are complete but not named model.cst, and the directory is refused."""
+    out = tmp_path / "out"
+    kill = ("real = packer._pwrite_all; packer._pwrite_all = lambda fd, buf, off, f, name: "
+            "(real(fd, buf, off, f, name), name == 'header' and os.kill(os.getpid(), signal.SIGKILL))")
+    proc = _start_pack(tiny_hf, out / "p", kill)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    (left,) = [d for d in out.iterdir() if d.name.startswith(".p.partial-")]
+    assert (left / "model.cst.partial").read_bytes()[:8] == b"CLDSTRT\x00"  # it got that far
+    assert (left / "tokenizer.json").read_bytes() == (tiny_hf / "tokenizer.json").read_bytes()
+    _assert_not_a_model(left)
+    r = subprocess.run([sys.executable, "-m", "deployments.tools.cli", "verify", str(out / "p")], cwd=ROOT,
+                       check=False, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    _pack_again_cleans_up(tiny_hf, out, caplog, [left])
+
+
+def test_two_packs_into_one_dest_run_one_after_the_other(tiny_hf, tmp_path):
+    """The second pack waits for the first (it holds the lock, here until the test opens a
+    gate), then replaces its result; neither removes the other's files."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    hold = ("real = packer._copy_side_files; packer._copy_side_files = lambda *a: "
+            f"([time.sleep(0.01) for _ in iter(lambda: os.path.exists({str(gate)!r}), True)], "
+            "real(*a))[1]")
+    first = _start_pack(tiny_hf, out / "p", hold)
+    _wait_for("the first pack's directory", lambda: list(out.glob(".p.partial-*")) if out.exists() else [])
+    with open(tmp_path / "second.log", "w") as log:
+        second = _start_pack(tiny_hf, out / "p", stderr=log)
+        _wait_for("the second pack waiting", lambda: "waiting for it to finish" in
+                  (tmp_path / "second.log").read_text())
+    assert second.poll() is None and not (out / "p").exists()
+    gate.touch()
+    assert first.wait(timeout=300) == 0 and second.wait(timeout=300) == 0
+    assert verify(out / "p").ok
+    assert [p.name for p in out.iterdir()] == ["p"]
+    assert "removed" not in (tmp_path / "second.log").read_text()
+
+
+def test_leftovers_of_running_packs_and_of_other_dests_are_kept(tiny_hf, tmp_path, caplog):
+    """What a pack into DEST removes: leftovers of packs into DEST whose process is gone, and
+    those named without a pid (by an older coldstart); nothing of a live process, nothing else."""
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    alive = subprocess.Popen(["sleep", "600"])
+    try:
+        gone = [f".p.partial-{dead}-abcd_123", ".p.partial-x7k2q9zz", f".p.old-{dead}",
+                f".p.old-{dead}-0123abcd"]
+        kept = [f".p.partial-{alive.pid}-abcd_123", f".q.partial-{dead}-abcd_123", "p.partial-notes",
+                f".p.partial-{dead}-abcd_123.bak"]
+        for name in gone + kept:
+            (out / name).mkdir()
+            (out / name / "model.cst.partial").write_bytes(os.urandom(1 << 20))
+        with caplog.at_level("INFO", logger="weights.packer"):
+            pack(tiny_hf, out / "p", PackOptions(progress=False))
+        assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["p"])
+        lines = [r.getMessage() for r in caplog.records]
+        for name in gone:
+            assert any(m.startswith(f"removed {out / name}, left by an interrupted pack into "
+                                    f"{out / 'p'} (1.0 MiB)") for m in lines), (name, lines)
+        assert any(m.startswith(f"kept {out / kept[0]}: the pack that left it (pid {alive.pid})")
+                   for m in lines)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_complete_pack_left_under_its_temporary_name_is_refused(tiny_packed, tmp_path):
+    """Killed between the weights' rename and the directory's: complete, yet not published."""
+    import shutil
+
+    left = tmp_path / ".m.partial-4242-abcd_123"
+    shutil.copytree(tiny_packed, left)
+    with pytest.raises(PackedFormatError, match=rf"leftover of an interrupted `coldstart pack` into "
+                                                rf"{tmp_path / 'm'}, not a packed model"):
+        read_packed(left / "model.cst")
+    shutil.copytree(left, tmp_path / "m")  # renamed by hand: a model like any other
+    assert verify(tmp_path / "m").ok
 
 
 def test_index_decides_which_files_are_the_model(tmp_path):

@@ -5,7 +5,7 @@ Public API::
     pack(src, dest, PackOptions(...))     HF model directory -> packed directory
     verify(dest) -> VerifyReport          structure + every chunk checksum
     read_packed(dest) -> PackedFile       preamble + index only (reads no data)
-    load(dest, device) -> LoadedModel     one device buffer, tensors as views
+    load(dest, device=None) -> LoadedModel  one device buffer (GPU if any, else CPU), views
     prefetch(dest)                        read-ahead into the page cache, no torch import
     make_demo(dest, shape)                a random Llama checkpoint in HF format
 

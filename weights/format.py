@@ -8,6 +8,10 @@ A packed model is a directory::
       generation_config.json    (if the source had one)
       tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...
 
+A pack writes it as a temporary ``.<name>.partial-*`` directory beside it and
+renames that to ``<name>`` when complete (``weights.packer``); ``read_packed``
+refuses such a temporary directory.
+
 ``model.cst`` layout (all integers little-endian)::
 
     offset 0        preamble, PREAMBLE_BYTES (4096) bytes:
@@ -40,6 +44,23 @@ The index carries the chunk sums and is covered by ``index_sha256``; the
 preamble, which holds that hash, is covered by its crc32. The sha256 of the
 index is therefore a digest of the whole file (``PackedFile.digest``).
 
+Side files. The index's ``side_files`` maps the name of every side file the pack
+copied (``SIDE_FILES``: config, generation config, tokenizer files, chat template)
+to its sha256 and size::
+
+    "side_files": {"config.json": {"sha256": "<64 hex digits>", "bytes": 516},
+                   "tokenizer.json": {"sha256": "...", "bytes": 21873}, ...}
+
+They change what a replica serves as much as the weights do (rope_theta, the eos
+ids, the tokens, the chat template), so a load checks every listed file up front
+and refuses a missing or changed one, or a side file the index does not list;
+``coldstart verify`` reports each. Being in the index, they are also part of
+``PackedFile.digest``. The packer writes them before ``model.cst``'s preamble. A
+file packed before this key existed has none: it loads and verifies, with a note
+that its side files are unprotected until it is re-packed. Readers ignore index
+keys they do not know, so older coldstart reads files that have it (the version
+stays 1).
+
 The format is little-endian only; ``open_packed`` refuses a big-endian host.
 """
 
@@ -48,6 +69,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import sys
 import zlib
@@ -62,6 +84,13 @@ ALIGN = 4096
 DEFAULT_CHUNK_BYTES = 16 << 20
 WEIGHTS_FILE = "model.cst"
 CHECKSUM_NAME = "wfletcher64-512"
+
+# Files that travel with the weights so the packed directory alone serves the model.
+SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)
 
 # struct layout of the preamble's fields (see the module docstring)
 _PREAMBLE = struct.Struct("<8sIIQQQQ32s")
@@ -113,15 +142,25 @@ class TensorEntry:
         return n
 
 
+@dataclass(frozen=True)
+class SideFile:
+    """A side file's entry in the index: its content's sha256 (hex) and size."""
+
+    sha256: str
+    bytes: int
+
+
 @dataclass
 class Index:
-    """The JSON index at the end of ``model.cst``."""
+    """The JSON index at the end of ``model.cst``. ``side_files`` is None for a file packed
+    before side files were recorded (nothing to check them against)."""
 
     tensors: list[TensorEntry]
     chunk_bytes: int
     chunk_sums: list[tuple[int, int]]
     aliases: dict[str, str] = field(default_factory=dict)  # name -> name it shares storage with
     metadata: dict[str, Any] = field(default_factory=dict)
+    side_files: dict[str, SideFile] | None = None
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -140,6 +179,9 @@ class Index:
             "aliases": self.aliases,
             "metadata": self.metadata,
         }
+        if self.side_files is not None:
+            doc["side_files"] = {n: {"sha256": f.sha256, "bytes": f.bytes}
+                                 for n, f in sorted(self.side_files.items())}
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -231,6 +273,7 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     p = Path(path)
     if p.is_dir() or (p.name != WEIGHTS_FILE and not p.exists()):  # a packed directory, made or not
         p = p / WEIGHTS_FILE
+    _refuse_leftover(p.parent)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no packed weight file ({p.name} missing); make one with "
                                 f"`coldstart pack HF_DIR {p.parent}`")
@@ -268,6 +311,20 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     return PackedFile(p, size, data_off, data_bytes, index, index_sha.hex())
 
 
+# a pack's temporary directory (weights.packer): ".NAME.partial-PID-XXXXXXXX"; no PID from older packs
+_PARTIAL_DIR = re.compile(r"\.(.+)\.partial-(?:\d+-)?[a-z0-9_]{8}")
+
+
+def _refuse_leftover(d: Path) -> None:
+    """A pack's temporary directory is never a model, even one whose pack got as far as its
+    last rename: refused by name, saying what it is."""
+    m = _PARTIAL_DIR.fullmatch(d.resolve().name)
+    if m:
+        dest = d.resolve().parent / m.group(1)
+        raise _fail(d, f"the leftover of an interrupted `coldstart pack` into {dest}, not a packed "
+                       f"model; pack again (the next pack into {dest} removes it) or delete it")
+
+
 def _parse_index(p: Path, raw: bytes, data_bytes: int) -> Index:
     try:
         doc = json.loads(raw)
@@ -282,6 +339,7 @@ def _parse_index(p: Path, raw: bytes, data_bytes: int) -> Index:
         ]
         aliases = dict(doc.get("aliases", {}))
         meta = dict(doc.get("metadata", {}))
+        side = _parse_side_files(p, doc["side_files"]) if "side_files" in doc else None
     except PackedFormatError:
         raise
     except (ValueError, KeyError, TypeError, IndexError) as e:
@@ -309,4 +367,87 @@ def _parse_index(p: Path, raw: bytes, data_bytes: int) -> Index:
     for a, target in aliases.items():
         if target not in names or a in names:
             raise _fail(p, f"alias {a!r} -> {target!r} does not name a stored tensor")
-    return Index(entries, chunk_bytes, sums, aliases, meta)
+    return Index(entries, chunk_bytes, sums, aliases, meta, side)
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _parse_side_files(p: Path, raw: Any) -> dict[str, SideFile]:
+    """The index's ``side_files``: plain file names (nothing that leads out of the directory),
+    each with a 64-digit hex sha256 and a size."""
+    if not isinstance(raw, dict):
+        raise _fail(p, f"index side_files is a {type(raw).__name__}, not an object; re-pack the model")
+    out = {}
+    for name, e in raw.items():
+        ok = (isinstance(e, dict) and isinstance(e.get("sha256"), str)
+              and _SHA256_HEX.fullmatch(e["sha256"]) and type(e.get("bytes")) is int and e["bytes"] >= 0)
+        if not ok or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise _fail(p, f"index side_files entry {name!r}: {e!r} is not a file name with "
+                           "a sha256 and a size; re-pack the model")
+        out[name] = SideFile(e["sha256"], e["bytes"])
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+_FIX_SIDE = "re-copy the packed model from where it was packed, or re-pack it"
+
+
+def side_file_problems(packed: PackedFile) -> list[str]:
+    """What is wrong with the side files beside ``packed``, one line per file naming it and
+    the fix: a listed one missing or changed, or one of ``SIDE_FILES`` the index does not
+    list (a replica would read it unchecked). Empty when all match, or when the file
+    predates side-file checksums (see ``unprotected_note``)."""
+    listed = packed.index.side_files
+    if listed is None:
+        return []
+    d = packed.path.parent
+    out = [m for name, want in sorted(listed.items()) if (m := _side_file_problem(d / name, want))]
+    out += [f"{d / name}: not part of the packed model (model.cst's index does not list it), yet "
+            "a replica would read it; remove it, or re-pack from a source that has it"
+            for name in SIDE_FILES if name not in listed and os.path.lexists(d / name)]
+    return out
+
+
+def _side_file_problem(path: Path, want: SideFile) -> str | None:
+    try:
+        if not path.is_file():
+            what = "missing" if not os.path.lexists(path) else "not a regular file"
+            return f"{path}: {what} (model.cst's index lists it, {want.bytes} bytes); {_FIX_SIDE}"
+        size = path.stat().st_size
+        if size != want.bytes:
+            return (f"{path}: changed since packing ({size} bytes, the index says {want.bytes}); "
+                    f"{_FIX_SIDE}")
+        got = file_sha256(path)
+    except OSError as e:
+        return f"{path}: cannot be read ({e.strerror or e}); {_FIX_SIDE}"
+    if got != want.sha256:
+        return (f"{path}: changed since packing (sha256 {got[:16]}..., the index says "
+                f"{want.sha256[:16]}...); {_FIX_SIDE}")
+    return None
+
+
+def check_side_files(packed: PackedFile) -> str | None:
+    """Raise ``PackedFormatError`` naming every side file that does not match the index (see
+    ``side_file_problems``); return a note to show instead when ``packed`` predates side-file
+    checksums, else None."""
+    if packed.index.side_files is None:
+        return unprotected_note(packed)
+    problems = side_file_problems(packed)
+    if problems:
+        raise PackedFormatError("; ".join(problems))
+    return None
+
+
+def unprotected_note(packed: PackedFile) -> str:
+    return (f"{packed.path.parent}: packed before side files were checksummed: its config.json, "
+            "generation_config.json and tokenizer files are not protected (a change in them goes "
+            "unnoticed); re-pack the model with this coldstart to protect them")

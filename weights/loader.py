@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from . import checksum, readahead
-from .segments import one_segment
-from .format import DTYPES, PackedFile, PackedFormatError, read_json, read_packed
+from .format import DTYPES, PackedFile, PackedFormatError, check_side_files, read_json, read_packed
 from .options import LoadOptions
+from .segments import one_segment
 from .timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -71,22 +71,25 @@ def check_fits(need: int, free: int, total: int, device: str, headroom: int = 0)
             "(other processes, a smaller max_slots for the KV cache) or use a larger GPU")
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
+def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
          options: LoadOptions | None = None, timer: PhaseTimer | None = None) -> LoadedModel:
     """Load a packed model directory into one buffer on ``device``.
 
     Args:
         path: packed model directory (or its ``model.cst``).
-        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``.
+        device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``; ``None`` (the default) is the GPU
+            where torch sees one, else the CPU.
         options: ``LoadOptions``.
         timer: a ``PhaseTimer`` to record phases into (a new one by default).
     Returns:
         ``LoadedModel`` whose ``tensors`` map every name (aliases included) to a
         view of ``buffer``.
     Raises:
-        PackedFormatError: bad structure or a checksum mismatch (names the chunk,
-            its tensors and the file).
+        PackedFormatError: bad structure, a checksum mismatch (names the chunk, its
+            tensors and the file), or a side file (config.json, tokenizer files...)
+            missing, changed, or not listed in the index (names the file).
         DeviceMemoryError: the model does not fit in free device memory.
+        ValueError: a device other than cpu and cuda, or cuda where torch sees no GPU.
 
     Example:
         >>> m = load("weights/demo", "cpu")
@@ -176,22 +179,27 @@ class PendingLoad:
                            self.timer)
 
 
-def start_load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
+def start_load(path: str | os.PathLike, device: str | torch.device | None = None, *,
                options: LoadOptions | None = None, timer: PhaseTimer | None = None,
                hold: bool = False) -> PendingLoad:
     """Start loading a packed model (see ``load``) and return as soon as the device buffer
     is allocated and its tensor views exist; ``PendingLoad.wait()`` finishes the load.
+    ``device=None`` is the GPU where torch sees one, else the CPU.
 
     On a GPU the reads, copies and checksums go on in a background thread; with
     ``hold=True`` they begin only at ``PendingLoad.release()``. On the CPU the load is a
     memory map and its verification, done before this returns. Errors found up front (a
-    bad file, too little device memory) raise here; later ones from ``wait()``.
+    bad file, a side file that does not match the index, too little device memory) raise
+    here; later ones from ``wait()``.
     """
     opts = options or LoadOptions()
     timer = timer or PhaseTimer()
-    dev = torch.device(device)
+    dev = _device(device)
     with timer.phase("open"):
         packed = read_packed(path)
+        note = check_side_files(packed)  # before any weight byte is read (they are small)
+        if note:
+            log.warning(note)
         d = packed.path.parent
         config = _read_config(d)
     if dev.type == "cpu":
@@ -200,6 +208,19 @@ def start_load(path: str | os.PathLike, device: str | torch.device = "cuda", *,
         buffer, work = _start_cuda(packed, dev, opts, timer)
         return PendingLoad(d, packed, buffer.device, buffer, config, timer, work, hold=hold)
     raise ValueError(f"device={device!r}: only cpu and cuda are supported")
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch.device (None: cuda where available, else cpu). A CUDA device where
+    torch sees none is refused here, in words, not by torch's driver error at allocation."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: CUDA is not available here (torch sees no GPU: "
+                         "no device, no driver, or a CPU-only torch); pass device=\"cpu\" to load "
+                         "on the CPU")
+    return dev
 
 
 def _read_config(d: Path) -> dict:

@@ -41,10 +41,11 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     for p in report.problems():
-        print(f"{report.packed.path}: {p}", file=sys.stderr)
+        print(p, file=sys.stderr)
+    for n in report.notes:
+        print(f"note: {n}", file=sys.stderr)
     if not report.ok:
-        print(f"FAILED: {len(report.bad_chunks)} bad chunk(s); re-copy or re-pack the model",
-              file=sys.stderr)
+        print(f"FAILED: {report.summary()}; re-copy or re-pack the model", file=sys.stderr)
         return 1
     pf = report.packed
     print(f"ok: {pf.path} ({len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
