@@ -7,7 +7,7 @@ Usage (GPU machine):
     python bench/engine.py /tmp/tiny-hf --device cpu --dtype float32 --new-tokens 16 --out /tmp/b.json
 
 Measures: import time of the engine modules (subprocess, torch already imported),
-graph capture + warm-up (the replica's default plan, deployments.config.WarmupPlan), first request after warm-up vs the tenth, batch-1
+graph capture + warm-up (the replica's default plan, deployments.engine.warmup.WarmupPlan), first request after warm-up vs the tenth, batch-1
 decode ms/token (and the GB/s of weights it implies), total tokens/s at 1, 4
 and 16 concurrent requests, and HF eager `generate` ms/token on the same tensors.
 Every timing syncs the device first.
@@ -30,9 +30,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from deployments.config import WarmupPlan  # noqa: E402
+from deployments.engine.warmup import WarmupPlan, run_warmup  # noqa: E402
 from deployments.model import build_model  # noqa: E402
-from deployments.server import run_warmup  # noqa: E402
 
 RANDOM_CONFIGS = {
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -102,7 +101,7 @@ def device_allocs(device: torch.device) -> int:
 
 def import_seconds() -> float:
     code = ("import torch, time; t = time.perf_counter();"
-            "import deployments.model, deployments.engine, deployments.tokenizer;"
+            "import deployments.model, deployments.engine.engine, deployments.engine.tokenizer;"
             "print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return float(out.stdout.strip())

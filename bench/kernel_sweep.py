@@ -2,10 +2,10 @@
 
     python bench/kernel_sweep.py --out OUT/kernel-sweep.json
 
-GEMV (`deployments.ops._launch_gemv`, batch 1) for each projection shape of a
+GEMV (`deployments.kernels.ops._launch_gemv`, batch 1) for each projection shape of a
 Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
-otherwise (`COLDSTART_DECODE_ATTENTION=torch`). Each figure is one CUDA graph over 32 distinct weight matrices / KV
+where it is off. Each figure is one CUDA graph over 32 distinct weight matrices / KV
 caches (one per layer, so the L2 cache does not hold them), the best of 5 replays.
 Random fp16 data; nothing is loaded. Prints and writes the best block sizes.
 """

@@ -196,10 +196,11 @@ def warm_cache(d: Path) -> None:
                     pass
 
 
-def run(kind: str, target: str, *extra: str, cold: bool = False) -> dict:
+def run(kind: str, target: str, *extra: str, cold: bool = False, tree: Path = ROOT) -> dict:
+    """One measurement in a fresh process, importing the project from ``tree``."""
     if cold:
         drop_caches()
-    code = textwrap.dedent(_PRELUDE.format(root=str(ROOT))) + textwrap.dedent(SNIPPETS[kind])
+    code = textwrap.dedent(_PRELUDE.format(root=str(tree))) + textwrap.dedent(SNIPPETS[kind])
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", code, target, *extra], capture_output=True, text=True,
                        cwd=ROOT, timeout=900)
@@ -227,6 +228,10 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="skip the threads x read size sweep")
     ap.add_argument("--cold-sweep", action="store_true",
                     help="also try the cold settings: threads x read size, read-ahead, O_DIRECT")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="only ours from a warm page cache, --repeats times (writes load-warm.json)")
+    ap.add_argument("--tree", type=Path, default=ROOT,
+                    help="with --warm-only: load with another checkout's loader (a before/after comparison)")
     ap.add_argument("--cold-sweep-only", action="store_true",
                     help="only the disk's rate and the cold settings (writes load-cold-sweep.json)")
     a = ap.parse_args()
@@ -235,6 +240,17 @@ def main() -> None:
     print(f"prepared {prep}", flush=True)
 
     res: dict = {"shape": a.shape, "prep": prep}
+    if a.warm_only:
+        warm_cache(packed)
+        runs = [run("ours", str(packed), "{}", tree=a.tree.resolve()) for _ in range(a.repeats)]
+        gbps = sorted(r["GBps"] for r in runs)
+        res.update(tree=str(a.tree), runs=runs, warm_GBps=statistics.median(gbps), warm_runs_GBps=gbps,
+                   command="python bench/load.py " + " ".join(sys.argv[1:]))
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "load-warm.json").write_text(json.dumps(res, indent=2))
+        print(f"warm: median {res['warm_GBps']:.2f} GB/s of {', '.join(f'{g:.2f}' for g in gbps)} ({a.tree})")
+        return
     print("limits:", flush=True)
     # the disk's rate: the best of two read patterns, each from a cold cache
     res["disk_16"] = run("disk", str(packed), "16", cold=True)

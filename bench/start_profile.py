@@ -1,15 +1,14 @@
 """Where a replica's start spends its time, function by function (GPU machine).
 
-Builds the replica (``deployments.server.LLMServer``: imports, context, load, engine,
-then the warm-up plan of serve_config.yaml) in this process under cProfile, and writes
+Builds the replica (``deployments.server.replica.LLMServer``: its start's steps, then the
+warm-up plan of serve_config.yaml) in this process under cProfile, and writes
 the phases and the functions with the most cumulative and own time. The loader's threads
 are the phase ``load`` (their own time), the main thread's wait for them is ``load_wait``;
 cProfile records the main thread only up to Python 3.11, every thread from 3.12.
 
     PYTHONPATH=$PWD python bench/start_profile.py PACKED_DIR --out start-profile.json
 
-``COLDSTART_BUILD_DURING_LOAD=0`` profiles the sequential start instead. ``--scope
-engine-start`` profiles only while ``Engine.start`` runs (the first eager launches, the
+``--scope engine-start`` profiles only while ``Engine.start`` runs (the first eager launches, the
 capture of the decode graphs and, in the loop thread, the first prefills), with the whole
 start's phases still timed (on Python 3.12 the loader's threads show in it too: ``preadv``,
 ``copy_h2d``). ``--profiler torch`` profiles ``Engine.start`` with torch.profiler instead
@@ -84,14 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
         a.scope = "engine-start"
     import yaml
 
-    from deployments.server import LLMServer
+    from deployments.server.replica import LLMServer
 
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     user_config = cfg["applications"][0]["deployments"][0]["user_config"]
     prof = cProfile.Profile()
     whole = a.scope == "start"
     if not whole:
-        from deployments.engine import Engine
+        from deployments.engine.engine import Engine
         real_start = Engine.start
 
         def profiled_start(self) -> None:
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.perf_counter() - t0
     server.shutdown()
     res = {"command": "PYTHONPATH=$PWD python bench/start_profile.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "build_during_load": os.environ.get("COLDSTART_BUILD_DURING_LOAD", "1"), "scope": a.scope,
+           "scope": a.scope,
            "wall_s": round(wall, 3), "phases_s": server.timer.as_dict(),
            "engine_stats": server.engine.stats()}
     if a.profiler == "torch":
@@ -131,8 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['ms']:9.2f} ms at {row['at_ms']:9.2f} ms  thread {row['thread']}  {row['name']}")
     print(json.dumps(res["phases_s"]))
     st = res["engine_stats"]
-    keys = ("first_launch_s", "first_launch_ms", "capture_s", "first_prefill_ms", "prime_s", "prime_wait_s",
-            "prime_steps_s")
+    keys = ("first_launch_s", "first_launch_ms", "capture_s", "first_prefill_ms")
     print(json.dumps({k: st.get(k) for k in keys}
                      | {k: res["phases_s"].get(k) for k in ("engine_graphs", "engine")}))
     if a.out:

@@ -488,8 +488,8 @@ def test_gpu_engine_built_during_the_load_serves_what_a_sequential_start_serves(
     """By default a GPU replica builds its engine (kernel self-tests, CUDA graphs) while the
     weights' bytes arrive; it must then serve exactly what a replica that waited serves."""
     class Sequential(Start):
-        def alloc(self) -> None:
-            super().alloc()
+        def start_load(self) -> None:
+            super().start_load()
             self.overlap = False  # as for a model served through transformers
     runs = {"overlap": _gpu_replica_run(tiny_packed), "sequential": _gpu_replica_run(tiny_packed, start=Sequential)}
     assert runs["overlap"][0] == runs["sequential"][0]

@@ -70,7 +70,7 @@ class Start:
         return [
             Step("imports", self.imports),            # trickle, side threads, torch and the engine's modules
             Step("context", self.context),            # the device, its preflight checks and its CUDA context
-            Step("alloc", self.alloc),                # one device buffer and its views; the reads begin (or wait)
+            Step("load_start", self.start_load),      # one device buffer and its views; the reads begin (or wait)
             Step("load_first", self.wait_for_weights, lambda: not self.overlap),  # a model built after its load
             Step("engine_model", self.build_model),   # the decoder over the buffer's views, its kernels chosen
             Step("engine_tokenizer", self.read_tokenizer),
@@ -163,15 +163,16 @@ class Start:
                 self.timer.record("context_ahead", ahead.seconds)  # of the imports' time, on a side thread
         log.info("runtime: %s", create_context(self.device))
 
-    def alloc(self) -> None:
+    def start_load(self) -> None:
         from deployments.model import is_native
-        from weights.loader import start_load
+        from weights import loader
         if not (self.path / "model.cst").is_file():
             raise FileNotFoundError(
                 f"{self.path}: no packed model here (model.cst missing); make one with `coldstart pack HF_DIR "
                 f"{self.path}`, or run `coldstart serve` for the demo")
         self._t_load = time.perf_counter()
-        self.pending = start_load(self.path, self.device, options=self.opts, timer=self.timer, hold=self.trickling)
+        self.pending = loader.start_load(self.path, self.device, options=self.opts, timer=self.timer,
+                                         hold=self.trickling)
         native = is_native(self.pending.config)
         # transformers' classes may copy the weights as they take them: only a native model is
         # built beside its load
