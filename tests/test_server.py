@@ -565,3 +565,53 @@ def test_gpu_corrupt_weights_fail_the_replica_even_with_its_engine_built(tiny_pa
     with pytest.raises(PackedFormatError, match="checksum mismatch"):
         LLMServer(str(d), device="cuda", engine={"max_slots": 2, "max_seq_len": 128})
     assert not [t for t in threading.enumerate() if t.name == "engine-loop" and t.ident not in before]
+
+
+def test_a_tiny_temperature_is_greedy_not_token_zero(client):
+    """temperature 1e-300 overflowed float32 and returned token 0 repeated; below 1e-5 it is greedy."""
+    greedy = client.post("/generate", json={"prompt": "The answer is ", "max_new_tokens": 16, "temperature": 0})
+    for t in (1e-300, 1e-40, 1e-6):
+        r = client.post("/generate", json={"prompt": "The answer is ", "max_new_tokens": 16, "temperature": t})
+        assert r.status_code == 200 and r.json()["token_ids"] == greedy.json()["token_ids"], t
+
+
+def test_the_same_tokens_make_a_body_of_the_same_length(client):
+    """ab's load test counts a body of another length as a failure: timings are headers, not body."""
+    bodies = [client.post("/generate", json={"prompt": "The answer is ", "max_new_tokens": 32, "temperature": 0})
+              for _ in range(3)]
+    assert len({r.content for r in bodies}) == 1
+    assert all(float(r.headers["x-coldstart-ttft-s"]) > 0 for r in bodies)
+
+
+def test_openai_routes_name_the_length_field_the_client_sent(client, server):
+    prompt = "word " * 100
+    n = len(server.tokenizer.encode(prompt))
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 250})
+    assert r.status_code == 400 and f"prompt ({n} tokens) + max_tokens (250)" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                  "max_completion_tokens": 250})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "max_completion_tokens (250)" in msg and "max_new_tokens" not in msg, r.text
+
+
+def test_a_404_quotes_at_most_200_characters_of_the_path(client):
+    r = client.get("/" + "x" * 5000)
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 404 and "(5,001 characters)" in msg and len(msg) < 400
+
+
+def test_head_health_answers_as_load_balancers_expect(client, tiny_packed):
+    r = client.head("/health")
+    assert r.status_code == 200 and r.content == b""
+    cold = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
+    try:
+        assert TestClient(build(cold)).head("/health").status_code == 503
+    finally:
+        cold.shutdown()
+
+
+def test_the_api_is_described_by_its_openapi_document(client):
+    doc = client.get("/openapi.json").json()
+    body = doc["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["prompt"] and "max_new_tokens" in body["properties"]
+    assert "/v1/chat/completions" in doc["paths"] and "head" in doc["paths"]["/health"]

@@ -105,17 +105,33 @@ def test_generation_config_int_eos(tmp_path):
     assert Tokenizer.from_dir(d).eos_token_ids == [0, 1]
 
 
-def test_jinja2_is_imported_lazily(tok_dir):
+def test_jinja2_is_imported_only_for_a_chat_template(tmp_path):
     import subprocess
 
-    code = (
-        "import sys; from deployments.engine.tokenizer import Tokenizer;"
-        f"t = Tokenizer.from_dir({str(tok_dir)!r}); t.encode('hi');"
-        "a = 'jinja2' in sys.modules; t.apply_chat_template([{'role': 'user', 'content': 'x'}]);"
-        "print(a, 'jinja2' in sys.modules)"
-    )
+    d = write_tokenizer_dir(tmp_path)  # no chat template
+    code = ("import sys; from deployments.engine.tokenizer import Tokenizer;"
+            f"t = Tokenizer.from_dir({str(d)!r}); t.encode('hi'); print('jinja2' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True"]
+    assert out.split() == ["False"]
+
+
+@pytest.mark.parametrize("where, template, msg", [
+    ("tokenizer_config.json", "{% for m in messages %}{{ m.content }", "does not parse (line 1: unexpected '}'"),
+    ("tokenizer_config.json", {"not": "a template"}, "its chat template is a JSON dict, not a string"),
+    ("chat_template.jinja", "{% if %}", "chat_template.jinja: its chat template does not parse (line 1"),
+])
+def test_a_broken_chat_template_fails_the_load_not_the_first_chat(tmp_path, where, template, msg):
+    """A chat template that does not parse used to fail only at the first chat request; now the
+    tokenizer's load names the file, the line and what to do."""
+    d = write_tokenizer_dir(tmp_path)
+    if where == "chat_template.jinja":
+        (d / where).write_text(template)
+    else:
+        tc = json.loads((d / where).read_text())
+        (d / where).write_text(json.dumps({**tc, "chat_template": template}))
+    with pytest.raises(ValueError) as e:
+        Tokenizer.from_dir(d)
+    assert msg in str(e.value) and str(d / where) in str(e.value) and "pack again" in str(e.value)
 
 
 @pytest.mark.parametrize("name, text, msg", [

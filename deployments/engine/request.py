@@ -20,6 +20,10 @@ FINISH_REASONS = (None, "stop", "length", "cancelled", "error")
 MAX_STOP_STRINGS = 64
 # Stop token ids are one set lookup per token; the bound only keeps a request's set small.
 MAX_STOP_TOKEN_IDS = 1024
+# A temperature below this is greedy: dividing the logits by it would overflow float32 (a
+# temperature of 1e-300 made every logit inf and every token 0), and it would pick the likeliest
+# token anyway
+GREEDY_BELOW = 1e-5
 
 
 def cut(text: str, limit: int = 200) -> str:
@@ -36,13 +40,17 @@ class SamplingParams:
     """Per-request generation options; `validate()` raises ValueError naming the field."""
 
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # on detokenized text; the stop string is not returned
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         def is_int(v: Any) -> bool:

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from deployments.engine.request import GREEDY_BELOW
+
 
 def sample(
     logits: torch.Tensor,
@@ -25,7 +27,8 @@ def sample(
     top_k: Sequence[int],
     generators: Sequence[torch.Generator | None],
 ) -> list[int | None]:
-    """logits: [R, V]; one entry per row in the other arguments. temperature 0 = greedy.
+    """logits: [R, V]; one entry per row in the other arguments. A temperature below
+    ``GREEDY_BELOW`` (0 among them) is greedy.
 
     Returns the sampled token ids, None for a row whose largest logit is not finite (one
     device->host sync).
@@ -33,7 +36,7 @@ def sample(
     R, V = logits.shape
     finite = torch.isfinite(logits.amax(dim=-1))  # [R]; amax propagates NaN
     out = logits.argmax(dim=-1)  # [R]; greedy rows are done
-    rows = [i for i in range(R) if temperature[i] > 0]
+    rows = [i for i in range(R) if temperature[i] >= GREEDY_BELOW]
     if not rows:
         return _tokens(out, finite)
     dev = logits.device

@@ -269,7 +269,7 @@ class Scheduler:
 
 
 def _generator(p: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if p.temperature == 0:
+    if p.greedy:
         return None
     g = torch.Generator(device=device)
     if p.seed is None:

@@ -84,11 +84,13 @@ class Tokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
+        where = d / "tokenizer_config.json"
         if template is None and (d / "chat_template.jinja").exists():
-            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+            where = d / "chat_template.jinja"
+            template = where.read_text(encoding="utf-8")
         eos_ids = gc.get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
-        return cls(
+        tok = cls(
             read_tokenizer(tj, _REPACK),
             bos_token=_token_str(tc.get("bos_token")),
             eos_token=_token_str(tc.get("eos_token")),
@@ -96,6 +98,9 @@ class Tokenizer:
             chat_template=template,
             extra_eos_ids=eos_ids,
         )
+        if template is not None:  # checked now, not at the first chat request
+            tok._template = _checked_template(template, where)
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -133,6 +138,21 @@ class Tokenizer:
 
     def incremental_decoder(self, prompt_ids: Sequence[int] = ()) -> "IncrementalDecoder":
         return IncrementalDecoder(self, prompt_ids)
+
+
+def _checked_template(source: Any, where: Path) -> Any:
+    """The chat template ``source`` (from the file ``where``) compiled; ValueError naming the file,
+    the line and what to do where it is not a template jinja2 can parse."""
+    import jinja2
+
+    if not isinstance(source, str):
+        raise ValueError(f"{where}: its chat template is a JSON {type(source).__name__}, not a string; "
+                         f"{_REPACK}")
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{where}: its chat template does not parse (line {e.lineno}: {e.message}); fix the "
+                         f"template or {_REPACK}") from None
 
 
 def _compile_template(source: str) -> Any:

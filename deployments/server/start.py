@@ -134,7 +134,9 @@ class Start:
         with self.timer.phase("imports_torch"):
             import torch  # noqa: F401  (what the minimal replica pays too)
         import deployments.engine.engine  # noqa: F401
+        import deployments.engine.tokenizer  # noqa: F401
         import deployments.model  # noqa: F401
+        import jinja2.sandbox  # noqa: F401  (the chat template is compiled as the tokenizer loads)
         import weights.loader  # noqa: F401
 
     def _start_trickle(self) -> bool:

@@ -44,7 +44,8 @@ HOOK = "deployments.startup.early.hook"
 
 # the engine's modules (what the replica's start imports, deployments.server.start): none of them
 # calls CUDA at import
-MODULES = ("torch", "deployments.engine", "deployments.model", "weights.loader")
+MODULES = ("torch", "deployments.engine.engine", "deployments.engine.tokenizer", "deployments.model", "weights.loader",
+           "jinja2.sandbox")
 
 _times: dict[str, float] = {}
 _thread: threading.Thread | None = None
