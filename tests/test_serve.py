@@ -51,13 +51,13 @@ def _wait(pred, timeout: float, what: str, step: float = 0.5):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def _deploy(name: str, model: Path, *, user_config=None, blocking=True, **opts):
+def _deploy(name: str, model: Path, *, user_config=None, blocking=True, http=None, **opts):
     opts.setdefault("ray_actor_options", {"num_cpus": 1})
     opts.setdefault("health_check_period_s", 1)
     opts.setdefault("health_check_timeout_s", 10)
     dep = LLMDeployment.options(name=name, user_config=user_config or {"warmup": {"requests": 1}},
                                 **opts)
-    app = dep.bind(model=str(model), engine=ENGINE, fault_injection=True)
+    app = dep.bind(model=str(model), engine=ENGINE, http=http or {}, fault_injection=True)
     try:
         serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
     except RuntimeError:  # serve.run reports a failed deploy itself; callers read serve.status()
@@ -264,4 +264,66 @@ def test_client_disconnect_cancels_generation(ray_instance, tiny_packed):
     assert stats["engine"]["running"] == 0 and stats["engine"]["free_slots"] == ENGINE["max_slots"]
     # stopped early: far fewer than the 480 tokens asked for (warm-up made 16)
     assert stats["engine"]["tokens_generated"] - 16 < 240
+    serve.delete(name)
+
+
+def _stalled(path: str, declared: int = 100, sent: bytes = b"") -> "socket.socket":
+    """A client that sends its headers (and ``sent`` of a body of ``declared`` bytes), then nothing."""
+    import socket
+    s = socket.create_connection(("127.0.0.1", 8000), timeout=60)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {declared}\r\n\r\n".encode() + sent)
+    return s
+
+
+def _status_of(s: "socket.socket") -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = s.recv(65536)
+        if not piece:
+            break
+        data += piece
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), rest
+
+
+def test_stalled_clients_get_a_408_and_never_hold_the_replica(ray_instance, tiny_packed):
+    """Clients that send headers and then stall held one of the replica's request slots each,
+    for ever: 40 of them made other requests wait, 150 got them 503s. With a body deadline
+    (args.http.body_timeout_s) every stalled one gets a 408 that frees its slot, and requests
+    beside them are served meanwhile."""
+    name = "stall"
+    _deploy(name, tiny_packed, num_replicas=1, max_ongoing_requests=8, max_queued_requests=64,
+            http={"body_timeout_s": 3})
+    t0 = time.time()
+    socks = [_stalled(f"/{name}/generate", sent=b'{"prompt": "x"') for _ in range(20)]
+    try:
+        time.sleep(0.5)
+        for _ in range(3):  # more stalled clients than slots: served all the same
+            r = _post(f"/{name}/generate", {"prompt": "hi", "max_new_tokens": 4}, timeout=60)
+            assert r.status_code == 200, r.text
+        codes = [_status_of(s) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    waited = time.time() - t0
+    assert {c for c, _ in codes} == {408}, codes[:3]
+    assert b"not received within 3 s" in codes[0][1] and waited < 60
+    stats = httpx.get(f"{BASE}/{name}/stats", timeout=30).json()
+    assert stats["requests"].get("bad_request", 0) >= 20 and not stats["requests"].get("error")
+    serve.delete(name)
+
+
+def test_a_client_that_hangs_up_while_sending_its_body_is_cancelled_quietly(ray_instance, tiny_packed):
+    """Counted as cancelled, not as the server's error with a traceback."""
+    name = "hangup"
+    _deploy(name, tiny_packed, num_replicas=1)
+    for _ in range(3):
+        s = _stalled(f"/{name}/generate", declared=1000, sent=b'{"prompt": "x')
+        time.sleep(0.3)
+        s.close()
+    stats = _wait(lambda: (st := httpx.get(f"{BASE}/{name}/stats", timeout=30).json())["requests"].get(
+        "cancelled", 0) >= 3 and st, 60, "three cancelled requests")
+    assert not stats["requests"].get("error") and not stats["requests"].get("bad_request")
+    assert _post(f"/{name}/generate", {"prompt": "hi", "max_new_tokens": 2}).status_code == 200
     serve.delete(name)
