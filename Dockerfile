@@ -43,7 +43,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     # which driver pieces to mount (compute = libcuda, utility = nvidia-smi).
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    COLDSTART_MODEL_ROOT=/models \
     # Triton's compiled decode kernels: mount a volume here so a new container
     # reuses them instead of compiling at its first start.
     TRITON_CACHE_DIR=/var/cache/coldstart/triton

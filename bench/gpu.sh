@@ -21,7 +21,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py tests/test_server.py \
-               tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_device.py tests/test_prime.py \
+               tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_device.py \
                tests/test_early.py tests/test_startup.py 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
     ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
     load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
@@ -47,14 +47,14 @@ for stage in "$@"; do
              grep -E "added->RUNNING|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
     scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
     restructure-serve) # a replica's start in Ray before the restructure and after it, each beside the
-             # minimal replica in its own run (three warm rounds); after: also each start-up step that
-             # had no measured gain left out once (the prime, the collector's pause, the GIL switch)
+             # minimal replica in its own run (three warm rounds); after: also with the collector's pause
+             # left out (the first run of this stage also left out the prime and the GIL switch
+             # interval, both removed since: docs/measurements.md)
              (cd "$B" && PYTHONPATH=$B:$PYTHONPATH python3 bench/serve.py --out "$out/before" --kinds minimal,coldstart \
                --caches warm --repeat 3) > "$out/serve-before.log" 2>&1; r1=$?
              grep -E "added->RUNNING" "$out/serve-before.log" | sed 's/^/before /'
              python3 bench/serve.py --out "$out/after" --kinds minimal,coldstart --caches warm --repeat 3 \
-               --variant noprime='{"env": {"COLDSTART_PRIME": "0"}}' --variant gcon='{"env": {"COLDSTART_PAUSE_GC": "0"}}' \
-               --variant noswitch='{"env": {"COLDSTART_GIL_SWITCH": "0"}}' > "$out/serve-after.log" 2>&1; r2=$?
+               --variant gcon='{"env": {"COLDSTART_PAUSE_GC": "0"}}' > "$out/serve-after.log" 2>&1; r2=$?
              grep -E "added->RUNNING" "$out/serve-after.log" | sed 's/^/after  /'; (exit $((r1 | r2))) ;;
     restructure-engine) # the engine (batch-1 decode, 16 concurrent) and the warm load, before and after
              (cd "$B" && PYTHONPATH=$B:$PYTHONPATH python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf \

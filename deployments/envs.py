@@ -53,11 +53,6 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("COLDSTART_PAUSE_GC", "1", _flag, "0 leaves Python's garbage collector on during a replica's start "
         "(by default it is paused from the setup hook until the replica is warm, then what the start made "
         "is frozen).", "0 / 1"),
-    Var("COLDSTART_PRIME", "1", _flag, "0 skips running the engine's torch kernels once through a one-layer "
-        "model on a side thread while the replica builds its model.", "0 / 1"),
-    Var("COLDSTART_GIL_SWITCH", "1", _flag, "0 keeps Python's default 5 ms thread switch interval while the "
-        "engine is built beside the load (by default 0.5 ms, so the loader's threads get the GIL back "
-        "sooner).", "0 / 1"),
     Var("CUDA_MODULE_LOADING", "LAZY", _text, "CUDA's own: LAZY (serve_config.yaml sets it, and torch's "
         "default) loads each kernel at its first use, so a context is made in ~0.4 s instead of seconds; a "
         "replica warns where it is anything else.", "LAZY / EAGER"),

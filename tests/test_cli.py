@@ -116,4 +116,24 @@ def test_serve_config_is_checked_before_ray_starts(tmp_path):
         r = _cli("serve", "--gpus", gpus, cwd=tmp_path)
         assert r.returncode == 2 and "give the GPUs per replica, 0 or more" in r.stderr
     assert "Traceback" not in r.stderr and "serve run" not in r.stdout
+    # a typo in the application's args or its warm-up plan: named before Ray starts
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cfg["applications"][0]["args"]["engine"]["max_slot"] = 8
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(cfg))
+    r = _cli("serve", "typo.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "application 'coldstart': args.engine: unknown field 'max_slot'" in r.stderr, r.stderr
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cfg["applications"][0]["deployments"][0]["user_config"]["warmup"]["requests"] = "one"
+    (tmp_path / "typo2.yaml").write_text(yaml.safe_dump(cfg))
+    r = _cli("serve", "typo2.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "user_config.warmup.requests must be int, got str 'one'" in r.stderr, r.stderr
     assert not (tmp_path / "weights").exists()
+
+
+def test_the_ready_line_points_at_the_configs_application():
+    from deployments.tools.cli import health_url
+    text = (ROOT / "serve_config.yaml").read_text()
+    assert health_url(text) == "http://127.0.0.1:8000/health"
+    assert health_url(text.replace("route_prefix: /", "route_prefix: /llm").replace("port: 8000", "port: 9000")
+                      .replace("host: 127.0.0.1", "host: 0.0.0.0")) == "http://127.0.0.1:9000/llm/health"
+    assert health_url("applications:\n  - import_path: other:app\n") is None

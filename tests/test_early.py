@@ -23,8 +23,9 @@ def test_modules_follow_the_env_var():
 
 
 def _run(code: str, **env: str) -> dict:
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                       env={**os.environ, "PYTHONPATH": path, **env})
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -92,7 +93,7 @@ def test_the_devices_a_replica_sees_are_chosen_after_the_hook():
     enumerate the devices: CUDA_VISIBLE_DEVICES set after the hook must still decide them. (The
     control: a process that calls torch.cuda.is_available() before setting it counts its GPU.)"""
     assert _run(_AFTER_HOOK) == {"count": 0}
-    control = _AFTER_HOOK.replace("from deployments import early\nearly.hook()\nassert early.wait(240) and not "
+    control = _AFTER_HOOK.replace("from deployments.startup import early\nearly.hook()\nassert early.wait(240) and not "
                                   "early._error, early._error\n", "import torch\ntorch.cuda.is_available()\n")
     assert control != _AFTER_HOOK and _run(control)["count"] >= 1
 

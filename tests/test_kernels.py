@@ -577,7 +577,7 @@ def test_gpu_self_tests_pass_at_7b_sizes(monkeypatch):
     dims = (4096, 11008, 32, 32, 128)
     times: dict[str, float] = {}
     assert policy.self_test(*dims, torch.float16, "cuda", times) is None
-    assert set(times) == {"wait", "triton", "torch"} and min(times["triton"], times["torch"]) > 0, times
+    assert set(times) == {"triton", "torch"} and min(times.values()) > 0, times
     times.clear()
     assert policy.attention_self_test(*dims[2:], torch.float16, "cuda", times) is None
     assert set(times) == {"triton", "torch"} and min(times.values()) > 0, times

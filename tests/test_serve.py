@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -158,6 +159,12 @@ def test_serve_run_config_answers_generate_and_openai_streaming(tmp_path):
         big = _post("/generate", {"prompt": "a" * 2_000_000})
         assert big.status_code == 413, big.text
         assert "more than a request for a context of 1024 tokens can need" in big.json()["error"]["message"]
+        assert "ready: http://127.0.0.1:8000 answers after" in (tmp_path / "serve.log").read_text()
+        # `serve status` needs the Ray token that `coldstart status` sends
+        env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+        st = subprocess.run([str(Path(sys.executable).with_name("coldstart")), "status"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+        assert st.returncode == 0 and "status: RUNNING" in st.stdout, st.stdout + st.stderr
 
 
 def test_coldstart_serve_model_serves_that_packed_model(tmp_path, tiny_packed):
@@ -267,16 +274,15 @@ def test_client_disconnect_cancels_generation(ray_instance, tiny_packed):
     serve.delete(name)
 
 
-def _stalled(path: str, declared: int = 100, sent: bytes = b"") -> "socket.socket":
+def _stalled(path: str, declared: int = 100, sent: bytes = b"") -> socket.socket:
     """A client that sends its headers (and ``sent`` of a body of ``declared`` bytes), then nothing."""
-    import socket
     s = socket.create_connection(("127.0.0.1", 8000), timeout=60)
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               f"Content-Length: {declared}\r\n\r\n".encode() + sent)
     return s
 
 
-def _status_of(s: "socket.socket") -> tuple[int, bytes]:
+def _status_of(s: socket.socket) -> tuple[int, bytes]:
     data = b""
     while b"\r\n\r\n" not in data:
         piece = s.recv(65536)

@@ -79,7 +79,7 @@ class Tokenizer:
                 f"from an HF checkpoint that has one (or save it with a fast tokenizer first)"
             )
         tc = _read_json(d / "tokenizer_config.json")
-        gc = _read_json(d / "generation_config.json")
+        gen = _read_json(d / "generation_config.json")
         template = tc.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template}
@@ -88,7 +88,7 @@ class Tokenizer:
         if template is None and (d / "chat_template.jinja").exists():
             where = d / "chat_template.jinja"
             template = where.read_text(encoding="utf-8")
-        eos_ids = gc.get("eos_token_id")
+        eos_ids = gen.get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         tok = cls(
             read_tokenizer(tj, _REPACK),

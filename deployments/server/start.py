@@ -21,24 +21,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from deployments import envs
 from deployments.config import DeploymentArgs
 from deployments.startup import early
 from weights.readahead import is_cold, stop_trickle, trickle
 from weights.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
-
-# While the engine is built beside the load, the build (Python-heavy: kernel launches, graph
-# capture) would keep the GIL for the default 5 ms each time a loader thread asks for it back,
-# several times per piece it reads; 0.5 ms bounds that wait
-_OVERLAP_SWITCH_S = 0.0005
-
 
 @dataclass
 class Step:
@@ -87,7 +79,7 @@ class Start:
             for step in self.steps():
                 if not step.when():
                     continue
-                with self.timer.phase(step.name), self._gil_switch(step.name):
+                with self.timer.phase(step.name):
                     step.run()
         except BaseException:
             self.abort()
@@ -179,10 +171,6 @@ class Start:
         # transformers' classes may copy the weights as they take them: only a native model is
         # built beside its load
         self.overlap = self.pending.background and native
-        embed = self.pending.tensors.get("model.embed_tokens.weight")
-        if native and embed is not None and self.device.type == "cuda" and envs.read("COLDSTART_PRIME"):
-            from deployments.startup import prime
-            self.side["prime"] = prime.start(self.pending.config, self.device, embed.dtype)
 
     def wait_for_weights(self) -> None:
         """Release a held load and wait for its last byte and checksum; record the load's own
@@ -214,23 +202,4 @@ class Start:
         self.engine = Engine(self.model, self.tokenizer, self.args.engine)
 
     def start_engine(self) -> None:
-        prime = self.side.pop("prime", None)
-        if prime is not None:  # nothing launches beside the capture
-            t = time.perf_counter()
-            prime.wait()
-            self.timer.record("engine_prime_wait", time.perf_counter() - t)
         self.engine.start()
-
-    @contextlib.contextmanager
-    def _gil_switch(self, step: str) -> Iterator[None]:
-        """A short thread switch interval while the engine is built beside the load
-        (``_OVERLAP_SWITCH_S``); COLDSTART_GIL_SWITCH=0 keeps Python's default."""
-        if not (self.overlap and step.startswith("engine_") and envs.read("COLDSTART_GIL_SWITCH")):
-            yield
-            return
-        old = sys.getswitchinterval()
-        sys.setswitchinterval(_OVERLAP_SWITCH_S)
-        try:
-            yield
-        finally:
-            sys.setswitchinterval(old)

@@ -1,4 +1,4 @@
-"""The ``coldstart`` command: pack, verify, demo, serve, doctor."""
+"""The ``coldstart`` command: pack, verify, demo, serve, status, doctor."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import argparse
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 DEMO_DIR = Path("weights/demo")
@@ -126,6 +130,16 @@ def check_config(path: str) -> None:
     if not isinstance(cfg, dict) or not isinstance(cfg.get("applications"), list) or not cfg["applications"]:
         raise ValueError(f"{path}: a Serve config needs an `applications:` list with at least one "
                          "application (see serve_config.yaml)")
+    from deployments.config import DeploymentArgs, UserConfig, parse
+    for app in cfg["applications"]:
+        if isinstance(app, dict) and app.get("import_path") == APP_IMPORT_PATH:
+            try:
+                parse(DeploymentArgs, app.get("args"), "args")
+                for dep in app.get("deployments") or []:
+                    if isinstance(dep, dict) and dep.get("user_config") is not None:
+                        parse(UserConfig, dep["user_config"], "user_config")
+            except ValueError as e:
+                raise ValueError(f"{path}: application {app.get('name')!r}: {e}") from None
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -135,9 +149,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     check_config(a.config)
     if model is None:
         ensure_demo()
-    serve = str(Path(sys.executable).with_name("serve"))
-    if not Path(serve).exists():
-        serve = shutil.which("serve") or serve
+    serve = _serve_executable()
     config = a.config
     if a.gpus is not None or model is not None:
         # a derived copy: relative paths in it are taken from here (cwd), as the original's
@@ -149,8 +161,64 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         config = str(derived)
     cmd = [serve, "run", config, *a.serve_args]
     print("+ " + " ".join(cmd), flush=True)
-    os.execv(cmd[0], cmd)  # serve run takes over this process (and its Ctrl-C)
+    proc = subprocess.Popen(cmd)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (a terminal's Ctrl-C reaches both processes anyway)
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    url = health_url(Path(config).read_text()) if config.endswith((".yaml", ".yml")) else None
+    if url is not None:
+        threading.Thread(target=_announce_ready, args=(url, proc), daemon=True).start()
+    return proc.wait()
+
+
+def health_url(config_text: str) -> str | None:
+    """Where the config's coldstart application answers ``/health`` (its HTTP options and route
+    prefix); None where it has no coldstart application."""
+    import yaml
+    cfg = yaml.safe_load(config_text) or {}
+    http = cfg.get("http_options") or {}
+    host = str(http.get("host") or "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    prefix = next(((app.get("route_prefix") or "/") for app in cfg.get("applications") or []
+                   if app.get("import_path") == APP_IMPORT_PATH), None)
+    if prefix is None:
+        return None
+    return f"http://{host}:{http.get('port', 8000)}{prefix.rstrip('/')}/health"
+
+
+def _announce_ready(url: str, proc: subprocess.Popen, step: float = 0.5) -> None:
+    """Print one line when the application first answers ``url`` with a 200 (warm), so that a
+    user need not read Ray's log or guess from 404s; nothing if `serve run` ends first."""
+    import urllib.error
+    import urllib.request
+    t0 = time.monotonic()
+    while proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    base = url.removesuffix("/health")
+                    print(f"ready: {base} answers after {time.monotonic() - t0:.1f} s "
+                          f"(try: curl -X POST {base}/generate -d '{{\"prompt\": \"The answer is \"}}')", flush=True)
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(step)
+
+
+def _cmd_status(a: argparse.Namespace) -> int:
+    """`serve status` against the Ray instance `coldstart serve` started: that Ray requires its
+    token (token authentication), which `serve status` sends only where RAY_AUTH_MODE=token."""
+    serve = _serve_executable()
+    env = {**os.environ}
+    env.setdefault("RAY_AUTH_MODE", "token")
+    cmd = [serve, "status", *a.serve_args]
+    os.execve(cmd[0], cmd, env)
     return 0
+
+
+def _serve_executable() -> str:
+    """Ray's `serve` command beside this interpreter, else on PATH."""
+    serve = str(Path(sys.executable).with_name("serve"))
+    return serve if Path(serve).exists() else (shutil.which("serve") or serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)
+
+    p = sub.add_parser("status", help="`serve status` of the running application (with the Ray token it needs)")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve status`")
+    p.set_defaults(fn=_cmd_status)
 
     # `coldstart doctor ...` is dispatched in main() to deployments.tools.doctor's own parser
     sub.add_parser("doctor", help="check driver, CUDA, GPU visibility, disk and copy speed "
