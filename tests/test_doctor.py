@@ -202,7 +202,8 @@ def test_page_cache_fraction_of_a_file_just_written(tmp_path):
     frac = doctor.page_cache_fraction([p])
     # just written, so its pages are in the cache; None only where mincore is unavailable
     assert frac is None or 0 < frac <= 1
-    part = doctor.resident_bytes(p, offset=4096 + 7, length=10_000)
+    from weights.readahead import resident_bytes
+    part = resident_bytes(p, offset=4096 + 7, length=10_000)
     assert part is None or 0 <= part <= 10_000
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
@@ -378,9 +379,11 @@ def test_operator_guide_covers_every_check():
 
 # ------------------------------------------------------------------ Triton's kernel cache
 def test_triton_cache_dir():
-    assert doctor.triton_cache_dir({"TRITON_CACHE_DIR": "/cache/t"}) == Path("/cache/t")
-    assert doctor.triton_cache_dir({"TRITON_HOME": "/srv"}) == Path("/srv/.triton/cache")
-    assert doctor.triton_cache_dir({}) == Path.home() / ".triton" / "cache"
+    from deployments.node_cache import triton_cache_dir
+
+    assert triton_cache_dir({"TRITON_CACHE_DIR": "/cache/t"}) == Path("/cache/t")
+    assert triton_cache_dir({"TRITON_HOME": "/srv"}) == Path("/srv/.triton/cache")
+    assert triton_cache_dir({}) == Path.home() / ".triton" / "cache"
 
 
 MOUNTS = """overlay / overlay rw,relatime,lowerdir=/a,upperdir=/b 0 0

@@ -285,8 +285,8 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         # On the load's thread, so from the moment the buffer and its views exist, or the
         # caller released a held load (never before: a bulk read of the same disk starves
         # the page faults of whatever the caller's thread still runs on torch's and CUDA's
-        # libraries; with it started before the views, a cold replica took 5.8 s instead
-        # of 3 ms to make them, bench/results/runs/serve-v5-read-ahead-before-views.json)
+        # libraries: with it started before the views, a cold replica took seconds instead
+        # of milliseconds to make them)
         readahead.stop_trickle(packed.path)  # the caller's gentle reader, if any: from here on, these reads
         o = _settings_for_cache(packed, opts) if opts.adapt else opts  # what is in the page cache now
         if o.readahead and not o.direct_io:

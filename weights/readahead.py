@@ -5,7 +5,7 @@ returns at once. The loader calls it as its reads begin, so on a cold page
 cache the disk works ahead of the loader's threads. Not earlier: a bulk read of
 the same disk starves the page faults of an import, of the CUDA context and of
 the first uses of torch's, CUDA's and Triton's code, which then end only when
-the read does (bench/cold_import.py, bench/results/runs/cold-import-h200.json).
+the read does.
 
 ``trickle(path)`` is the read that may run beside them: one piece at a time,
 with the kernel's read-ahead off, so a page fault waits behind one piece at
@@ -57,7 +57,7 @@ for off in range(0, size, piece):
 # descriptor (FADV_RANDOM): the disk's queue never holds more than one such request, so the
 # page faults of an import beside it wait for at most one piece. Plain reads, even one at a
 # time, let the kernel's read-ahead queue megabytes ahead of them, and an import beside them
-# ended only with the whole file read (bench/results/runs/cold-import-h200.json).
+# ended only with the whole file read.
 _TRICKLE = r"""
 import os, sys
 parent = os.getppid()

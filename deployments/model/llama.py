@@ -354,7 +354,7 @@ class Transformer(nn.Module):
 
     def attention_kernel(self) -> bool:
         """Whether the decode steps use the Triton attention: every step, where it passed its
-        self-test and the fused path runs (bench/kernel_sweep.py, H200: faster than the batched
+        self-test and the fused path runs (bench/kernel_sweep.py: faster than the batched
         matmuls at every batch size and length measured, with grouped-query heads or without,
         and more so where a batch's rows differ in length, since each reads its keys only up
         to its own position)."""
