@@ -615,3 +615,25 @@ def test_the_api_is_described_by_its_openapi_document(client):
     body = doc["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["prompt"] and "max_new_tokens" in body["properties"]
     assert "/v1/chat/completions" in doc["paths"] and "head" in doc["paths"]["/health"]
+
+
+def test_a_fault_inside_a_stream_still_ends_it_with_its_marker(client, monkeypatch):
+    """A bug that raises while a stream is under way (here: rendering its second chunk) ends the
+    stream with an error event and [DONE] (NDJSON: a last line with finish_reason "error"), not
+    with a cut connection a client would read as a normal end."""
+    from deployments.server import api
+
+    real, calls = api.completion_chunk, []
+
+    def broken(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("render broke")
+        return real(*a, **k)
+    monkeypatch.setattr(api, "completion_chunk", broken)
+    with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": True,
+                                                       "temperature": 0, "ignore_eos": True}) as s:
+        events = [ln[len("data: "):] for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "render broke" in json.loads(events[-2])["error"]["message"]
+    monkeypatch.undo()
+    assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
