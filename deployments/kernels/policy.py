@@ -11,7 +11,6 @@ test or the timing; a failure is never kept.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from deployments import node_cache
-from deployments.kernels import ops
+from deployments.kernels import bundle, ops
 from deployments.kernels.triton_jit import triton
 
 log = logging.getLogger(__name__)
@@ -131,13 +130,6 @@ def verdict_dir() -> Path:
     return node_cache.triton_cache_dir()
 
 
-@functools.lru_cache(maxsize=1)
-def _code_hash() -> str:
-    """The kernels' code and this policy's, hashed once per process (every verdict's key has it)."""
-    h = hashlib.sha256()
-    for name in ("triton_jit.py", "ops.py", "policy.py"):
-        h.update((Path(__file__).parent / name).read_bytes())
-    return h.hexdigest()
 
 
 def verdict_path(kind: str, judged: Any, device: torch.device, where: Path) -> Path:
@@ -145,7 +137,7 @@ def verdict_path(kind: str, judged: Any, device: torch.device, where: Path) -> P
     everything else that could change it: the GPU model, torch, its CUDA, Triton, this
     module's code. A node with another of these gets its own verdict."""
     props = torch.cuda.get_device_properties(device)
-    code = _code_hash()
+    code = bundle.code_hash()
     blob = json.dumps([kind, judged, props.name, [props.major, props.minor], torch.__version__,
                        torch.version.cuda, getattr(triton, "__version__", None), code], sort_keys=True, default=str)
     return where / f"coldstart-{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"

@@ -121,6 +121,10 @@ class Start:
         if self.own_process:
             from deployments.startup import bytecode
             bytecode.enable()
+        if triton_setup.wanted(self.args.device):  # before Triton's first use: its compiled kernels, if shipped
+            from deployments.kernels import bundle
+            with self.timer.phase("imports_kernels"):
+                log.info("%s", bundle.install(self.path))
         self.side["context"] = context.start(self.args.device)
         self.side["triton"] = triton_setup.start(self.args.device)
         with self.timer.phase("imports_torch"):

@@ -1,8 +1,9 @@
-"""The ``coldstart`` command: pack, verify, demo, serve, status, doctor."""
+"""The ``coldstart`` command: pack, verify, demo, kernels, serve, status, doctor."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -204,6 +205,35 @@ def _announce_ready(url: str, proc: subprocess.Popen, step: float = 0.5) -> None
         time.sleep(step)
 
 
+def _cmd_kernels(a: argparse.Namespace) -> int:
+    """Start the packed model once on this node's GPU with an empty Triton cache (every decode
+    graph captured, the warm-up run), then keep what the start compiled in DIR/kernels/<key>/, so
+    that replicas on new nodes of this GPU kind compile nothing (deployments.kernels.bundle)."""
+    model = packed_model(a.dir)
+    cache = tempfile.mkdtemp(prefix="coldstart-kernels-")
+    os.environ["TRITON_CACHE_DIR"] = cache  # before anything imports Triton
+    from deployments.config import DeploymentArgs
+    from deployments.engine.warmup import WarmupPlan, run_warmup
+    from deployments.kernels import bundle
+    from deployments.server.start import Start
+    from weights.timing import PhaseTimer
+    engine = {"max_slots": a.max_slots, "lazy_graphs": False, **({"max_seq_len": a.max_seq_len} if a.max_seq_len else {})}
+    start = Start(DeploymentArgs(model=str(model), device=a.device, engine=engine), PhaseTimer()).run()
+    try:
+        if start.device.type != "cuda" or not getattr(getattr(start.model, "kernels", None), "fused", False):
+            raise ValueError(f"{model}: the decode kernels did not run here (device {start.device}, kernels "
+                             f"{getattr(start.model, 'kernels', None)}): run `coldstart kernels` on a GPU node with Triton")
+        seed = start.tokenizer.encode("The answer is forty-two. " * 8, add_special_tokens=False) or [3]
+        run_warmup(start.engine, WarmupPlan(batch_sizes=list(start.engine.config.graph_batch_sizes)), seed)
+    finally:
+        start.engine.shutdown()
+    dest = bundle.write(model, cache)
+    n = len(json.loads((dest / bundle.MANIFEST).read_text())["files"])
+    print(f"kept {n} compiled files for {bundle.node_facts()['gpu']} in {dest}")
+    shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
 def _cmd_status(a: argparse.Namespace) -> int:
     """`serve status` against the Ray instance `coldstart serve` started: that Ray requires its
     token (token authentication), which `serve status` sends only where RAY_AUTH_MODE=token."""
@@ -257,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)
+
+    p = sub.add_parser("kernels", help="compile the decode kernels for this node's GPU kind and keep them "
+                                       "in the packed model (DIR/kernels/), for new nodes")
+    p.add_argument("dir", help="a packed model directory")
+    p.add_argument("--device", default="cuda", help="the GPU to compile on (cuda, cuda:N)")
+    p.add_argument("--max-slots", type=int, default=8, help="as the replicas' engine.max_slots")
+    p.add_argument("--max-seq-len", type=int, default=None, help="as the replicas' engine.max_seq_len")
+    p.set_defaults(fn=_cmd_kernels)
 
     p = sub.add_parser("status", help="`serve status` of the running application (with the Ray token it needs)")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve status`")
