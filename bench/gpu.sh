@@ -53,7 +53,7 @@ for stage in "$@"; do
              # the serve-warm stage's report where one ran on this machine
              m=""; [ -f $W/serve-partial.json ] && m="--merge $W/serve-partial.json"
              python3 bench/serve.py --out "$out" --report "$out" --kinds minimal,coldstart,coldstart-nokernels \
-               --caches fresh --repeat 3 $m > "$out/fresh-node.log" 2>&1; r=$?
+               --caches fresh --repeat ${FRESH_REPEAT:-3} $m > "$out/fresh-node.log" 2>&1; r=$?
              grep -E "added->RUNNING|^- new node" "$out/fresh-node.log"; (exit $r) ;;
     restructure-serve) # a replica's start in Ray before the restructure and after it, each beside the
              # minimal replica in its own run (three warm rounds); after: also with the collector's pause
