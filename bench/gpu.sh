@@ -50,7 +50,11 @@ for stage in "$@"; do
              # bytecode kept beside it) emptied, the project's written bytecode removed and the page
              # cache dropped; coldstart with the kernels shipped in the packed model (`coldstart
              # kernels`, run first), without them, and the minimal replica, three rounds; merged into
-             # the serve-warm stage's report where one ran on this machine
+             # the serve-warm stage's report where one ran on this machine. First the installed
+             # packages' bytecode is compiled, as the image's build does (this machine's packages
+             # carry none: without it every fresh start compiles torch, Triton and Ray from source)
+             python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+               ${PYTHONPATH//:/ } > /dev/null 2>&1
              m=""; [ -f $W/serve-partial.json ] && m="--merge $W/serve-partial.json"
              python3 bench/serve.py --out "$out" --report "$out" --kinds minimal,coldstart,coldstart-nokernels \
                --caches fresh --repeat ${FRESH_REPEAT:-3} $m > "$out/fresh-node.log" 2>&1; r=$?
