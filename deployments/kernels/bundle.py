@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from deployments.node_cache import triton_cache_dir
+from weights.format import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +77,6 @@ def key(facts: dict) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _kept_files(cache: Path) -> list[Path]:
     """What a start leaves in a Triton cache that a new node can use: Triton's compiled kernels and
     its launcher's helper module, and coldstart's kernel verdicts (not the bytecode cache: the image
@@ -117,7 +110,7 @@ def write(model_dir: str | os.PathLike, cache: str | os.PathLike, facts: dict | 
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, target)
         (tmp / MANIFEST).unlink(missing_ok=True)
-        files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): file_sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         (tmp / MANIFEST).write_text(json.dumps({"facts": facts, "made_at": time.time(), "files": files}, indent=1))
         old = root / f".{dest.name}.old-{os.getpid()}"
         if dest.exists():
@@ -152,7 +145,7 @@ def install(model_dir: str | os.PathLike, cache: str | os.PathLike | None = None
     copied = 0
     for rel, digest in files.items():
         src, dst = bundle / rel, cache / rel
-        if ".." in Path(rel).parts or not src.is_file() or _sha256(src) != digest:
+        if ".." in Path(rel).parts or not src.is_file() or file_sha256(src) != digest:
             return f"{src}: missing or not what its manifest says; this node compiles the kernels it lacks"
         if dst.exists():
             continue
