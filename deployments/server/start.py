@@ -157,7 +157,7 @@ class Start:
             ahead.wait()
             if ahead.result is not None:
                 log.info("CUDA context not made ahead: %s", ahead.result)
-            elif ahead.seconds is not None:
+            elif ahead.error is None and ahead.seconds is not None:
                 self.timer.record("context_ahead", ahead.seconds)  # of the imports' time, on a side thread
         log.info("runtime: %s", create_context(self.device))
 
