@@ -49,8 +49,8 @@ import torch
 from . import checksum
 from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, MAGIC, PREAMBLE_BYTES, SIDE_FILES,
                      WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
-                     file_sha256, read_json, read_tokenizer)
-from .sources import SourceError, find_weight_files, iter_tensors, open_sources
+                     file_sha256)
+from .sources import SourceError, check_apart, check_source, is_within, iter_tensors, open_sources
 
 log = logging.getLogger(__name__)
 
@@ -99,69 +99,6 @@ def _layout_key(name: str) -> list:
         # ...self_attn.{q,k,v,o}_proj.{weight,bias}: weights together, then biases
         parts = parts[:-2] + [parts[-1], f"{_FUSE_RANK[parts[-2]]}"]
     return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", ".".join(parts))]
-
-
-def _check_src(src: Path) -> list[Path]:
-    if not src.exists():
-        raise SourceError(f"{src}: no such directory; give the path of a Hugging Face model directory")
-    if not src.is_dir():
-        raise SourceError(f"{src}: not a directory; give the path of a Hugging Face model directory")
-    if not any(src.iterdir()):
-        raise SourceError(f"{src}: the directory is empty; download or copy the model into it first")
-    if not (src / "config.json").is_file():
-        raise SourceError(f"{src}: no config.json; a Hugging Face model directory has one "
-                          "(save the model with save_pretrained, or copy config.json in)")
-    files = find_weight_files(src)
-    if not files:
-        raise SourceError(f"{src}: no weights (*.safetensors or *.bin files) found")
-    _check_side_files(src)
-    return files
-
-
-def _check_side_files(src: Path) -> None:
-    """The side files a replica reads must read: refused here, not when a replica starts."""
-    fix = "copy it again from the model's source"
-    for name in SIDE_FILES:
-        p = src / name
-        # (tokenizer.json: read whole by the tokenizers library below, not parsed twice)
-        if not name.endswith(".json") or name == "tokenizer.json" or not p.is_file():
-            continue
-        try:
-            read_json(p, fix)
-        except ValueError as e:
-            raise SourceError(str(e)) from None
-    if (src / "tokenizer.json").is_file():
-        try:
-            read_tokenizer(src / "tokenizer.json", fix)
-        except ValueError as e:
-            raise SourceError(str(e)) from None
-
-
-def _check_apart(src: Path, dest: Path) -> None:
-    """Refuse a DEST that is SRC, lies inside it or contains it: writing or replacing it would
-    change or delete the source. Compared by resolved path and by (device, inode) of the
-    directories on the way up, so symlinks and bind mounts are seen through."""
-    rs, rd = src.resolve(), dest.resolve()
-    fix = f"choose a DEST outside {src}"
-    if rd == rs or _is_within(rd, rs):
-        how = "is" if rd == rs or (rd.exists() and _ident(rd) == _ident(rs)) else "lies inside"
-        raise ValueError(f"DEST {dest} {how} SRC {src}: packing there would overwrite the "
-                         f"source checkpoint; {fix}")
-    if rd.exists() and _is_within(rs, rd):
-        raise ValueError(f"DEST {dest} contains SRC {src}: replacing it would delete the source "
-                         f"checkpoint; {fix}")
-
-
-def _is_within(inner: Path, outer: Path) -> bool:
-    """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
-    lies inside it."""
-    want = _ident(outer)
-    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
-
-
-def _ident(p: Path) -> tuple[int, int]:
-    st = p.stat()
-    return st.st_dev, st.st_ino
 
 
 def _check_replace(dest: Path, force: bool) -> None:
@@ -223,8 +160,8 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     """
     opts = options or PackOptions()
     src, dest = Path(src), Path(dest)
-    files = _check_src(src)
-    _check_apart(src, dest)
+    files = check_source(src)
+    check_apart(src, dest)
     _check_replace(dest, opts.force)
     metas, handles, aliases = open_sources(files)
     if not metas:
@@ -419,7 +356,7 @@ def _remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
     pattern, rs = _leftover_re(dest), src.resolve()
     for p in sorted(dest.parent.iterdir()):
         m = pattern.fullmatch(p.name)
-        if not m or _is_within(rs, p.resolve()):
+        if not m or is_within(rs, p.resolve()):
             continue
         digits = m.group(1) or m.group(2)
         pid = int(digits) if digits else None
