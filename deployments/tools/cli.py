@@ -20,13 +20,23 @@ DEMO_DIR = Path("weights/demo")
 def _cmd_pack(a: argparse.Namespace) -> int:
     from weights import PackOptions, pack
     opts = PackOptions(dtype=a.dtype, force=a.force, chunk_bytes=a.chunk_mib << 20,
-                       progress=not a.quiet)
+                       progress=not a.quiet, tp=a.tp)
     dest = pack(a.src, a.dest, opts)
-    from weights import read_packed
-    pf = read_packed(dest)
-    print(f"packed {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
-          f"(digest {pf.digest[:16]})")
+    _print_packed(dest, "packed", opts.tp)
     return 0
+
+
+def _print_packed(dest: Path, what: str, tp: int) -> None:
+    from weights import read_packed
+    if tp == 1:
+        pf = read_packed(dest)
+        print(f"{what} {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
+              f"(digest {pf.digest[:16]})")
+        return
+    from weights.tp import rank_path
+    pfs = [read_packed(rank_path(dest, k)) for k in range(tp)]
+    print(f"{what} {len(pfs[0].tensors)} tensors split over {tp} ranks, {pfs[0].data_bytes / 1e9:.3f} GB per "
+          f"rank, into {dest}/rank-0 ... rank-{tp - 1} (digests {', '.join(pf.digest[:16] for pf in pfs)})")
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
@@ -233,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace DEST if it exists")
     p.add_argument("--chunk-mib", type=int, default=16, help="checksum chunk size in MiB")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split over N tensor-parallel ranks: DEST/rank-K/model.cst for each rank K")
     p.set_defaults(fn=_cmd_pack)
 
     p = sub.add_parser("verify", help="check a packed model's structure and checksums")
