@@ -61,9 +61,11 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if not report.ok:
         print(f"FAILED: {report.summary()}; re-copy or re-pack the model", file=sys.stderr)
         return 1
-    pf = report.packed
-    print(f"ok: {pf.path} ({len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
-          f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
+    for r in getattr(report, "ranks", [report]):  # a split pack's: one line per rank
+        pf = r.packed
+        rank = f"rank {pf.tp['rank']} of {pf.tp['size']}, " if pf.tp else ""
+        print(f"ok: {pf.path} ({rank}{len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
+              f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
     return 0
 
 

@@ -1,0 +1,197 @@
+"""Tensor parallelism: the slicing rules and split packs (pack, verify, load)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers_engine import hf_model, random_biases
+from weights import PackedFormatError, PackOptions, TensorParallelPackError, load, pack, read_packed, verify
+from weights import tp
+from weights.format import PREAMBLE_BYTES
+
+ROOT = Path(__file__).resolve().parents[1]
+# MLP rows that split over 2 and 4 ranks into whole 4 KiB pages (the fused views need them back to back)
+COMMON = dict(intermediate_size=128)
+
+# ----------------------------------------------------------------------------- the rules
+
+
+LAYOUT_CONFIG = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64, "intermediate_size": 96,
+                 "vocab_size": 97}
+
+
+def test_layout_needs_heads_kv_heads_and_mlp_rows_that_divide_over_the_ranks(tiny_hf, tmp_path):
+    lay = tp.layout(LAYOUT_CONFIG, 4)
+    assert (lay.heads_per_rank, lay.kv_per_rank, lay.kv_replicated, lay.intermediate_per_rank,
+            lay.vocab_per_rank, lay.vocab_padded) == (2, 1, True, 24, 25, 100)
+    assert not tp.layout(LAYOUT_CONFIG, 2).kv_replicated
+    assert tp.rank_config(LAYOUT_CONFIG, 4) == {**LAYOUT_CONFIG, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                "head_dim": 8, "intermediate_size": 24, "vocab_size": 25}
+    for patch, n, msg in [({}, 3, r"num_attention_heads \(8\) is not a multiple of 3"),
+                          ({"num_attention_heads": 12, "num_key_value_heads": 6}, 4,
+                           r"num_key_value_heads \(6\) must be a multiple of 4 .* or divide it"),
+                          ({"intermediate_size": 100}, 8, r"intermediate_size \(100\) is not a multiple of 8"),
+                          ({"vocab_size": None}, 2, r"`vocab_size` must be a positive int")]:
+        with pytest.raises(ValueError, match=msg):
+            tp.layout({**LAYOUT_CONFIG, **patch}, n)
+    with pytest.raises(ValueError, match="has no tensor-parallel rule"):
+        tp.rule("transformer.h.0.attn.c_attn.weight")
+    r = _cli("pack", str(tiny_hf), str(tmp_path / "p"), "--tp", "3")  # the tiny demo has 4 heads
+    assert r.returncode == 2 and "num_attention_heads (4) is not a multiple of 3" in r.stderr, r.stderr
+    assert not (tmp_path / "p").exists()
+
+
+def test_replicated_kv_heads_go_to_the_ranks_whose_query_heads_read_them():
+    lay = tp.layout(LAYOUT_CONFIG, 4)  # 8 heads, 2 kv heads: heads 0-3 read kv head 0, heads 4-7 kv head 1
+    q = torch.arange(64 * 3.0).view(64, 3)  # 8 heads of 8 rows
+    k = torch.arange(16 * 3.0).view(16, 3)  # 2 kv heads of 8 rows
+    for r in range(4):
+        heads = tp.shard("model.layers.0.self_attn.q_proj.weight", q, lay, r)
+        assert torch.equal(heads, q[16 * r: 16 * (r + 1)])  # query heads 2r, 2r+1
+        kv = {h // 4 for h in (2 * r, 2 * r + 1)}  # the kv head those read (n_rep = 4)
+        assert len(kv) == 1
+        assert torch.equal(tp.shard("model.layers.0.self_attn.k_proj.weight", k, lay, r), k[8 * kv.pop():][:8])
+
+
+@pytest.fixture(scope="module")
+def split_pack(tmp_path_factory):
+    """A tiny Llama with o_proj and MLP biases and a vocabulary of 97, split over 2 ranks by the CLI."""
+    root = tmp_path_factory.mktemp("split")
+    hf, _ = hf_model("llama", **COMMON, hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                     attention_bias=True, mlp_bias=True)
+    random_biases(hf)
+    hf.save_pretrained(root / "hf")
+    r = _cli("pack", str(root / "hf"), str(root / "p"), "--tp", "2", "-q")
+    assert r.returncode == 0 and "packed 35 tensors split over 2 ranks" in r.stdout, r.stdout + r.stderr
+    return root
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deployments.tools.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_each_rank_holds_its_slices_of_the_source_and_they_make_it_whole(split_pack):
+    src = load_file(split_pack / "hf" / "model.safetensors")
+    config = json.loads((split_pack / "hf" / "config.json").read_text())
+    lay = tp.layout(config, 2)
+    ranks = [load(split_pack / "p", "cpu", rank=k) for k in range(2)]
+    assert [m.tp for m in ranks] == [{"size": 2, "rank": 0}, {"size": 2, "rank": 1}]
+    assert all(m.path == split_pack / "p" and m.config == config for m in ranks)  # the pack's side files
+    by_dir = load(split_pack / "p" / "rank-1", "cpu")
+    assert set(src) == set(ranks[0].tensors) == set(by_dir.tensors)
+    kinds = set()
+    for name, t in src.items():
+        parts = [m.tensors[name] for m in ranks]
+        assert all(torch.equal(p, tp.shard(name, t, lay, k)) for k, p in enumerate(parts)), name
+        assert torch.equal(by_dir.tensors[name], parts[1])
+        kind = tp.rule(name)
+        kinds.add(kind)
+        if kind in (tp.Q_ROWS, tp.KV_ROWS, tp.MLP_ROWS):  # (2 kv heads over 2 ranks: split)
+            assert torch.equal(torch.cat(parts), t), name
+        elif kind in (tp.Q_COLUMNS, tp.MLP_COLUMNS):
+            assert torch.equal(torch.cat(parts, 1), t), name
+        elif kind == tp.VOCAB:  # 97 rows: 49 on each rank, the last one zero padding
+            assert parts[0].shape[0] == 49 and torch.equal(torch.cat(parts)[:97], t), name
+            assert not torch.cat(parts)[97:].any()
+        elif kind == tp.FIRST:  # o_proj / down_proj bias: added once by the all-reduce
+            assert torch.equal(parts[0], t) and not parts[1].any() and t.any(), name
+        else:
+            assert kind == tp.REPLICATED and all(torch.equal(p, t) for p in parts), name
+    assert kinds == {tp.Q_ROWS, tp.KV_ROWS, tp.Q_COLUMNS, tp.MLP_ROWS, tp.MLP_COLUMNS, tp.FIRST, tp.VOCAB,
+                     tp.REPLICATED}
+    for m in ranks:  # q/k/v and gate/up back to back in every rank's file: the fused views apply
+        at = {e.name: e for e in m.packed.tensors}
+        for group in (["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]):
+            es = [at[next(n for n in at if n.startswith("model.layers.1.") and f".{g}.weight" in n)] for g in group]
+            assert all(a.offset + a.nbytes == b.offset for a, b in zip(es, es[1:])), group
+
+
+def test_verify_checks_every_rank_and_names_the_bad_one(split_pack, tmp_path):
+    d = shutil.copytree(split_pack / "p", tmp_path / "p")
+    r = _cli("verify", str(d))
+    assert r.returncode == 0 and "(rank 0 of 2, " in r.stdout and "(rank 1 of 2, " in r.stdout, r.stdout
+    with open(d / "rank-1" / "model.cst", "r+b") as f:  # a flipped byte in rank 1's data
+        f.seek(PREAMBLE_BYTES + 100)
+        b = f.read(1)
+        f.seek(PREAMBLE_BYTES + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    r = _cli("verify", str(d))
+    assert r.returncode == 1, r.stdout
+    assert f"{d / 'rank-1' / 'model.cst'} (rank 1 of 2): checksum mismatch in chunk 0" in r.stderr, r.stderr
+    assert "rank-0" not in r.stderr and "FAILED: rank 1: 1 bad chunk(s) (of 2 ranks)" in r.stderr, r.stderr
+    report = verify(d)
+    assert not report.ok and [x.ok for x in report.ranks] == [True, False]
+    with pytest.raises(PackedFormatError, match=r"rank-1/model.cst: checksum mismatch in chunk 0"):
+        load(d, "cpu", rank=1)
+    load(d, "cpu", rank=0)
+    (d / "rank-1" / "model.cst").unlink()
+    r = _cli("verify", str(d))
+    assert r.returncode == 1 and "rank 1 of 2: " in r.stderr and "model.cst missing" in r.stderr, r.stderr
+
+
+def test_a_split_pack_given_as_one_model_says_how_to_load_a_rank(split_pack, tiny_packed):
+    from deployments.tools.cli import packed_model
+
+    d = split_pack / "p"
+    for call in (lambda: load(d, "cpu"), lambda: read_packed(d), lambda: packed_model(d)):
+        with pytest.raises(TensorParallelPackError, match=r"split over 2 ranks .* weights\.load\(.*, rank=K\)"):
+            call()
+    with pytest.raises(ValueError, match=r"rank=2: .* is split over 2 ranks, 0 to 1"):
+        load(d, "cpu", rank=2)
+    with pytest.raises(ValueError, match=r"is not a tensor-parallel pack \(no tp\.json\)"):
+        load(tiny_packed, "cpu", rank=0)
+
+
+def test_a_rank_file_moved_or_from_another_pack_is_refused(split_pack, tmp_path):
+    d = shutil.copytree(split_pack / "p", tmp_path / "p")
+    shutil.copy(d / "rank-1" / "model.cst", d / "rank-0" / "model.cst")
+    with pytest.raises(PackedFormatError, match=r"holds the weights of rank 1 of 2 but lies in rank-0/"):
+        load(d, "cpu", rank=0)
+    shutil.copy(split_pack / "p" / "rank-0" / "model.cst", d / "rank-0" / "model.cst")
+    other = pack(split_pack / "hf", tmp_path / "other", PackOptions(tp=2, progress=False))  # the same weights
+    shutil.copy(other / "rank-1" / "model.cst", d / "rank-1" / "model.cst")
+    with pytest.raises(PackedFormatError, match=r"tp\.json: changed since packing"):
+        load(d, "cpu", rank=1)
+    assert any("tp.json: changed since packing" in p for p in verify(d).problems())
+
+
+def test_split_packs_keep_the_force_atomicity_and_leftover_rules(split_pack, tmp_path, caplog):
+    src, out = split_pack / "hf", tmp_path / "out"
+    opts = PackOptions(tp=2, progress=False)
+    pack(src, out / "p", opts)
+    with pytest.raises(FileExistsError, match="pass --force"):
+        pack(src, out / "p", opts)
+    pack(src, out / "p", PackOptions(force=True, progress=False))  # a split pack replaced by a plain one
+    assert verify(out / "p").ok and not (out / "p" / "tp.json").exists()
+    pack(src, out / "p", PackOptions(tp=2, force=True, progress=False))  # and back
+    assert verify(out / "p").ok and (out / "p" / "rank-1" / "model.cst").is_file()
+    with pytest.raises(ValueError, match="lies inside SRC"):
+        pack(src, src / "p", opts)
+    # killed after rank 0's header: no DEST, nothing that loads, and the next pack removes it
+    kill = ("import os, signal; from weights import PackOptions, pack, packer; real = packer._pwrite_all; "
+            "packer._pwrite_all = lambda fd, buf, off, f, name: (real(fd, buf, off, f, name), "
+            "name == 'header' and os.kill(os.getpid(), signal.SIGKILL)); "
+            f"pack({str(src)!r}, {str(tmp_path / 'k' / 'p')!r}, PackOptions(tp=2, progress=False))")
+    assert subprocess.run([sys.executable, "-c", kill], cwd=ROOT, timeout=300).returncode == -signal.SIGKILL
+    (left,) = (tmp_path / "k").glob(".p.partial-*")
+    assert (left / "rank-0" / "model.cst.partial").read_bytes()[:8] == b"CLDSTRT\x00"  # it got that far
+    assert not list(left.rglob("model.cst")) and not (tmp_path / "k" / "p").exists()
+    shutil.copytree(out / "p", tmp_path / "k" / ".p.partial-99999999-abcd_123")  # one complete, unpublished
+    for d in (left, tmp_path / "k" / ".p.partial-99999999-abcd_123"):
+        for check in (lambda: read_packed(d / "rank-0"), lambda: load(d, "cpu", rank=0), lambda: verify(d)):
+            with pytest.raises(PackedFormatError, match="leftover of an interrupted `coldstart pack`"):
+                check()
+    with caplog.at_level("INFO", logger="weights.packer"):
+        pack(src, tmp_path / "k" / "p", opts)
+    assert [p.name for p in (tmp_path / "k").iterdir()] == ["p"] and verify(tmp_path / "k" / "p").ok
+    assert sum(r.getMessage().startswith("removed ") for r in caplog.records) == 2
