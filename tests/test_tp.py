@@ -1,8 +1,9 @@
-"""Tensor parallelism: the slicing rules and split packs (pack, verify, load)."""
+"""Tensor parallelism: the slicing rules, split packs (pack, verify, load) and the demo's."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers_engine import hf_model, random_biases
-from weights import PackedFormatError, PackOptions, TensorParallelPackError, load, pack, read_packed, verify
+from weights import PackedFormatError, PackOptions, TensorParallelPackError, load, make_demo, pack, read_packed, verify
 from weights import tp
 from weights.format import PREAMBLE_BYTES
 
@@ -195,3 +196,36 @@ def test_split_packs_keep_the_force_atomicity_and_leftover_rules(split_pack, tmp
         pack(src, tmp_path / "k" / "p", opts)
     assert [p.name for p in (tmp_path / "k").iterdir()] == ["p"] and verify(tmp_path / "k" / "p").ok
     assert sum(r.getMessage().startswith("removed ") for r in caplog.records) == 2
+
+
+# ----------------------------------------------------------------------------- the demo
+
+
+def test_demo_shapes_have_the_real_models_sizes():
+    from weights.demo import SHAPES, config_dict, tensor_specs
+
+    params = {n: sum(math.prod(s) for _, s in tensor_specs(SHAPES[n])) for n in ("llama2-13b", "llama3-70b")}
+    assert 13.0e9 < params["llama2-13b"] < 13.1e9 and 70.5e9 < params["llama3-70b"] < 70.6e9
+    c = config_dict(SHAPES["llama3-70b"])
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["intermediate_size"], c["vocab_size"], c["rope_theta"]) == (8192, 80, 64, 8, 28672, 128256, 500000.0)
+    c = config_dict(SHAPES["llama2-13b"])
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
+            c["intermediate_size"], c["vocab_size"]) == (5120, 40, 40, 40, 13824, 32000)
+    assert tp.layout(config_dict(SHAPES["llama3-70b"]), 8).kv_per_rank == 1
+
+
+def test_demo_writes_fewer_layers_and_split_packs_equal_to_packing_its_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match=r"layers=5: the small shape has 4 layers"):
+        make_demo(tmp_path / "x", "small", layers=5)
+    hf = make_demo(tmp_path / "hf", "small", layers=1)
+    assert json.loads((hf / "config.json").read_text())["num_hidden_layers"] == 1
+    assert not any("layers.1." in n for f in hf.glob("*.safetensors") for n in load_file(f))
+    packed = pack(hf, tmp_path / "packed", PackOptions(tp=2, progress=False))
+    r = _cli("demo", str(tmp_path / "split"), "--shape", "small", "--layers", "1", "--tp", "2")
+    assert r.returncode == 0 and "split over 2 ranks" in r.stdout, r.stderr
+    assert verify(tmp_path / "split").ok
+    for k in range(2):
+        a, b = load(packed, "cpu", rank=k), load(tmp_path / "split", "cpu", rank=k)
+        assert set(a.tensors) == set(b.tensors) and a.config == b.config
+        assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)

@@ -71,8 +71,12 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 def _cmd_demo(a: argparse.Namespace) -> int:
     from weights import make_demo
-    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force)
-    print(f"wrote a random {a.shape} Llama checkpoint to {dest}")
+    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force, layers=a.layers, tp=a.tp)
+    layers = f" ({a.layers} layers)" if a.layers else ""
+    if a.tp > 1:
+        _print_packed(dest, f"wrote a random {a.shape}{layers} model, packed:", a.tp)
+    else:
+        print(f"wrote a random {a.shape}{layers} Llama checkpoint to {dest}")
     return 0
 
 
@@ -261,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is fast)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--layers", type=int, metavar="N", help="write only N of the shape's layers (its widths kept)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="write the model packed and split over N tensor-parallel ranks (as `pack --tp N` of "
+                        "the checkpoint), not the checkpoint")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("serve", help="`serve run` the config (making the demo model if it serves the demo)")
