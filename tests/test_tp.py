@@ -1,4 +1,5 @@
-"""Tensor parallelism: the slicing rules, split packs (pack, verify, load) and the demo's."""
+"""Tensor parallelism: the slicing rules, split packs (pack, verify, load), and the decoder split
+over 2 and 4 real processes (gloo on the CPU) against the one-device model and transformers."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers_engine import hf_model, random_biases
+from deployments.model import build_model
+from helpers_engine import hf_greedy, hf_model, random_biases, state_tensors
+from helpers_tp import model_runs, rank_model_runs, run_ranks
 from weights import PackedFormatError, PackOptions, TensorParallelPackError, load, make_demo, pack, read_packed, verify
 from weights import tp
 from weights.format import PREAMBLE_BYTES
@@ -229,3 +232,84 @@ def test_demo_writes_fewer_layers_and_split_packs_equal_to_packing_its_checkpoin
         a, b = load(packed, "cpu", rank=k), load(tmp_path / "split", "cpu", rank=k)
         assert set(a.tensors) == set(b.tensors) and a.config == b.config
         assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
+# ----------------------------------------------------------------------------- the decoder, split
+
+
+# Tiny models whose every rank's q/k/v and gate/up slices are whole 4 KiB pages (so the packer
+# lays them back to back and the fused views apply); vocab_size 97 (helpers_engine.TINY) is a
+# multiple of neither 2 nor 4, so the last rank's vocabulary slice is padded.
+MODEL_CASES = {
+    # kv heads split over 2 and over 4 ranks
+    "llama-kv4": ("llama", dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4)),
+    # kv heads split over 2 ranks, replicated over 4 (each on two ranks); o_proj and MLP biases
+    "llama-kv2-bias": ("llama", dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                                     attention_bias=True, mlp_bias=True)),
+    # 4 heads, 2 kv heads: one query head per rank over 4; sliding window
+    "mistral-window": ("mistral", dict(sliding_window=5)),
+    # q/k/v biases, tied embeddings (no lm_head.weight in the checkpoint)
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+}
+TOKENS = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+PROMPTS = [[3, 5, 7, 11, 13, 17], [9] * 7, [2, 4, 6]]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """Every case packed whole and split over 2 and 4 ranks; the one-device model's and
+    transformers' results; and every rank's, from one world of 4 processes (TP=4 over all of
+    them, TP=2 over ranks 0-1 and over 2-3)."""
+    root = tmp_path_factory.mktemp("tp-models")
+    refs, jobs = {}, []
+    for case, (arch, kw) in MODEL_CASES.items():
+        hf, cfg = hf_model(arch, **COMMON, **kw)
+        random_biases(hf)
+        hf.save_pretrained(root / case / "hf")
+        for n in (2, 4):
+            pack(root / case / "hf", root / case / f"tp{n}", PackOptions(tp=n, progress=False))
+            jobs.append((case, n, str(root / case / f"tp{n}")))
+        with torch.no_grad():
+            refs[case] = {"one": model_runs(build_model(cfg, state_tensors(hf)), TOKENS, PROMPTS, STEPS),
+                          "hf_logits": hf(TOKENS).logits, "hf_greedy": [hf_greedy(hf, p, STEPS) for p in PROMPTS],
+                          "packed": root / case}
+    out = root / "out"
+    out.mkdir()
+    run_ranks(4, rank_model_runs, {"jobs": jobs, "out": str(out), "tokens": TOKENS, "prompts": PROMPTS,
+                                   "steps": STEPS})
+    got = {(case, n): [torch.load(out / f"{case}-tp{n}-rank{r}.pt") for r in range(4)] for case, n, _ in jobs}
+    return refs, got
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("case", MODEL_CASES)
+def test_split_model_computes_what_one_device_and_transformers_compute(split_runs, case, n):
+    refs, got = split_runs
+    ranks, one, hf = got[case, n], refs[case]["one"], refs[case]
+    assert [r["tp"] for r in ranks] == [(k % n, n) for k in range(4)]
+    for r in ranks[1:]:  # every rank ends every step with the same logits
+        for key in ("logits", "step_logits", "logits_fused", "step_logits_fused"):
+            assert torch.equal(r[key], ranks[0][key]), key
+    r = ranks[0]
+    assert all(x["fused_views"] for x in ranks)  # the zero-copy q/k/v and gate/up views, on every rank
+    assert r["vocab_size"] == 97 and r["logits"].shape == one["logits"].shape == (2, 16, 97)
+    kv_heads = MODEL_CASES[case][1].get("num_key_value_heads", 2)
+    assert r["cache_kv_heads"] == max(1, kv_heads // n)  # a rank caches the kv heads its queries read, no more
+    tight = dict(atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(r["logits"], one["logits"], **tight)
+    torch.testing.assert_close(r["logits"], hf["hf_logits"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(r["step_logits"], one["step_logits"], **tight)
+    torch.testing.assert_close(r["logits_fused"], one["logits_fused"], **tight)
+    torch.testing.assert_close(r["step_logits_fused"], one["step_logits_fused"], **tight)
+    assert r["greedy"] == r["greedy_fused"] == one["greedy"] == hf["hf_greedy"]
+    if case == "qwen2-tied":  # the head is the embedding's slice: the checkpoint has no lm_head.weight
+        assert "lm_head.weight" not in {t.name for t in read_packed(hf["packed"] / f"tp{n}" / "rank-0").tensors}
+
+
+def test_a_rank_built_in_a_group_of_another_size_names_its_rank(split_runs):
+    _, got = split_runs
+    msg = got["llama-kv4", 2][3]["wrong_group"]
+    assert "do not match rank 3 of 4's slice of config.json" in msg and "weights.load(DEST, rank=3)" in msg
+    msg = got["llama-kv4", 4][0]["not_native"]
+    assert "tensor parallelism needs the native decoder" in msg and "hidden_act='quick_gelu'" in msg
