@@ -44,6 +44,17 @@ def hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> tuple[torc
     return model, json.loads(cfg.to_json_string())
 
 
+def random_biases(hf: torch.nn.Module) -> torch.nn.Module:
+    """Biases that matter (transformers initialises them to zeros), and norm weights that are not all ones."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(len(name)))
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
+    return hf
+
+
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The checkpoint tensors as a loader would hand them over (detached clones)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deployments.model import ModelConfig, build_model, build_native
-from helpers_engine import hf_greedy, state_tensors
+from helpers_engine import hf_greedy, random_biases, state_tensors
 from helpers_engine import hf_model as _hf_model
 
 
@@ -69,22 +69,11 @@ def _logits(model, tokens):
         return model(tokens)
 
 
-def _random_biases(hf):
-    """Biases that matter (transformers initialises them to zeros), and norm weights that are not all ones."""
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(len(name)))
-            elif name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name)))
-    return hf
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers(case):
     arch, kw = CASES[case]
     hf, cfg = hf_model(arch, **kw)
-    _random_biases(hf)
+    random_biases(hf)
     model = build_model(cfg, state_tensors(hf))
     assert type(model).__name__ == "Transformer"  # served natively
     tokens = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))

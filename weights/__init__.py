@@ -2,10 +2,11 @@
 
 Public API::
 
-    pack(src, dest, PackOptions(...))     HF model directory -> packed directory
-    verify(dest) -> VerifyReport          structure + every chunk checksum
+    pack(src, dest, PackOptions(...))     HF model directory -> packed directory (tp=N: one per rank)
+    verify(dest) -> VerifyReport          structure + every chunk checksum (of every rank)
     read_packed(dest) -> PackedFile       preamble + index only (reads no data)
     load(dest, device=None) -> LoadedModel  one device buffer (GPU if any, else CPU), views
+    load(dest, rank=K)                    rank K's part of a split pack (``weights.tp``: the rules)
     prefetch(dest)                        read-ahead into the page cache, no torch import
     make_demo(dest, shape)                a random Llama checkpoint in HF format
 
@@ -22,6 +23,7 @@ _EXPORTS = {
     "pack": "packer", "PackOptions": "packer",
     "verify": "verifier", "VerifyReport": "verifier",
     "read_packed": "format", "PackedFile": "format", "PackedFormatError": "format",
+    "TensorParallelPackError": "format",
     "load": "loader", "LoadOptions": "options", "LoadedModel": "loader",
     "DeviceMemoryError": "loader",
     "prefetch": "readahead",

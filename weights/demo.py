@@ -1,4 +1,5 @@
-"""``coldstart demo DEST --shape tiny|small|llama-7b``: a random Llama checkpoint in HF format.
+"""``coldstart demo DEST --shape tiny|small|llama-7b|llama2-13b|llama3-70b``: a random Llama
+checkpoint in HF format.
 
 Writes what ``save_pretrained`` would: ``config.json``, ``generation_config.json``,
 safetensors shards with ``model.safetensors.index.json`` when sharded, and a
@@ -7,10 +8,16 @@ trained locally with the ``tokenizers`` library, so no hub is needed. Weights
 are random normal (std 0.02, like HF's init), norms are ones; they are made on
 the given device (a GPU makes 7B in seconds) and streamed to disk one tensor at
 a time, so host memory never holds a shard.
+
+``layers``: the shape with fewer layers (a 70B's real widths on a disk that cannot hold it).
+``tp``: a packed split pack (``coldstart pack --tp N``) written directly, without the HF
+checkpoint: each random tensor is made once, as for the checkpoint, and the packer's writer
+stores its ranks' slices; the same seed and device give what packing the checkpoint would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -36,6 +43,7 @@ class Shape:
     dtype: str
     shards: int
     tie_embeddings: bool = False
+    rope_theta: float = 10000.0
 
 
 SHAPES: dict[str, Shape] = {
@@ -45,6 +53,9 @@ SHAPES: dict[str, Shape] = {
     "small": Shape(256, 4, 8, 4, 688, 1024, 2048, "bfloat16", 2),
     # the benchmark subject: Llama-2-7B's shapes, fp16, 13.5 GB in 3 shards
     "llama-7b": Shape(4096, 32, 32, 32, 11008, 32000, 4096, "float16", 3),
+    # tensor-parallel subjects: Llama-2-13B (26 GB fp16) and Llama-3-70B (141 GB bf16, grouped-query)
+    "llama2-13b": Shape(5120, 40, 40, 40, 13824, 32000, 4096, "float16", 3),
+    "llama3-70b": Shape(8192, 80, 64, 8, 28672, 128256, 8192, "bfloat16", 30, rope_theta=500000.0),
 }
 
 _CORPUS = """\
@@ -103,7 +114,7 @@ def config_dict(s: Shape) -> dict:
         "vocab_size": s.vocab,
         "max_position_embeddings": s.max_positions,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rope_theta": s.rope_theta,
         "hidden_act": "silu",
         "tie_word_embeddings": s.tie_embeddings,
         "bos_token_id": 1,
@@ -153,29 +164,48 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], d
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape in tensors:
-            if name.endswith("norm.weight"):
-                t = torch.ones(shape, dtype=dtype, device=device)
-            else:
-                t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            t = _random_tensor(name, shape, dtype, device, gen)
             f.write(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
 
 
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   gen: torch.Generator) -> torch.Tensor:
+    """One demo tensor, drawn from ``gen`` (norms: ones)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+
+
+def shape_of(shape: str, layers: int | None = None) -> Shape:
+    """``SHAPES[shape]``, with ``layers`` layers (fewer than the shape's) and its shards in
+    proportion where given; ValueError naming the choices otherwise."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape={shape!r} is unknown; choose one of {', '.join(SHAPES)}")
+    s = SHAPES[shape]
+    if layers is None:
+        return s
+    if not isinstance(layers, int) or not 1 <= layers <= s.layers:
+        raise ValueError(f"layers={layers!r}: the {shape} shape has {s.layers} layers; give 1 to {s.layers}")
+    return dataclasses.replace(s, layers=layers, shards=max(1, round(s.shards * layers / s.layers)))
+
+
 def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cpu",
-              seed: int = 0, force: bool = False) -> Path:
+              seed: int = 0, force: bool = False, layers: int | None = None, tp: int = 1) -> Path:
     """Write a random Llama-family HF checkpoint to ``dest`` (atomically).
 
     Args:
         dest: directory to create.
-        shape: one of ``SHAPES`` (tiny, small, llama-7b).
+        shape: one of ``SHAPES`` (tiny, small, llama-7b, llama2-13b, llama3-70b).
         device: where random weights are drawn (``cuda`` makes 7B in seconds).
         seed: RNG seed: the same seed and device give the same weights.
-        force: replace ``dest`` if it exists.
+        force: replace ``dest`` if it exists (with ``tp``: only a packed model, as ``pack``).
+        layers: write this many layers of the shape (its other sizes unchanged).
+        tp: above 1, write a packed split pack over ``tp`` ranks instead of the checkpoint (see
+            the module's docstring).
     """
-    if shape not in SHAPES:
-        raise ValueError(f"shape={shape!r} is unknown; choose one of {', '.join(SHAPES)}")
-    s = SHAPES[shape]
+    s = shape_of(shape, layers)
     dest = Path(dest)
     if dest.exists() and not force:
         raise FileExistsError(f"{dest} exists; pass --force to replace it")
@@ -184,6 +214,8 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
     dtype = getattr(torch, s.dtype)
     specs = tensor_specs(s)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if tp > 1:
+        return _write_split(dest, s, f"demo-{shape}", specs, dtype, dev, gen, tp, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
@@ -199,17 +231,7 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
             total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
             _dump(tmp / "model.safetensors.index.json",
                   {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _dump(tmp / "config.json", config_dict(s))
-        _dump(tmp / "generation_config.json",
-              {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "max_length": s.max_positions})
-        tok = build_tokenizer(s.vocab)
-        tok.save(str(tmp / "tokenizer.json"))
-        _dump(tmp / "tokenizer_config.json", {
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-            "unk_token": "<unk>",
-            "model_max_length": s.max_positions, "chat_template": CHAT_TEMPLATE})
-        _dump(tmp / "special_tokens_map.json",
-              {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+        _write_side_files(tmp, s)
         if dest.exists():
             shutil.rmtree(dest)
         os.rename(tmp, dest)
@@ -217,6 +239,37 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _write_side_files(d: Path, s: Shape) -> None:
+    """config.json, generation_config.json and the tokenizer's files."""
+    _dump(d / "config.json", config_dict(s))
+    _dump(d / "generation_config.json",
+          {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "max_length": s.max_positions})
+    tok = build_tokenizer(s.vocab)
+    tok.save(str(d / "tokenizer.json"))
+    _dump(d / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": s.max_positions, "chat_template": CHAT_TEMPLATE})
+    _dump(d / "special_tokens_map.json",
+          {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+
+
+def _write_split(dest: Path, s: Shape, source: str, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                 dev: torch.device, gen: torch.Generator, tp: int, force: bool) -> Path:
+    """The split pack of the checkpoint ``make_demo`` would write, through the packer's writer:
+    the side files from a temporary directory, each random tensor drawn in the checkpoint's
+    order and handed over as it is made (one in host memory at a time)."""
+    from .packer import PackOptions, write_pack
+    from .sources import SourceTensor
+
+    where = Path(f"<random {source}>")
+    metas = {name: SourceTensor(name, where, s.dtype, shape) for name, shape in specs}
+    tensors = ((name, _random_tensor(name, shape, dtype, dev, gen).cpu(), where) for name, shape in specs)
+    with tempfile.TemporaryDirectory(prefix="coldstart-demo-side-") as side:
+        _write_side_files(Path(side), s)
+        return write_pack(Path(side), dest, metas, tensors, {}, PackOptions(tp=tp, force=force), source=source)
 
 
 def _dump(path: Path, obj: dict) -> None:

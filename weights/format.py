@@ -61,6 +61,21 @@ that its side files are unprotected until it is re-packed. Readers ignore index
 keys they do not know, so older coldstart reads files that have it (the version
 stays 1).
 
+Tensor-parallel (split) packs. ``coldstart pack SRC DEST --tp N`` writes one file of this format
+per rank, each holding that rank's slice of every tensor (the rules: ``weights.tp``)::
+
+    DEST/
+      tp.json                 the split: N, each rank's directory, the layout, the pack's id
+      config.json, ...        the side files, once, for every rank
+      rank-0/model.cst ... rank-<N-1>/model.cst
+
+A rank's file is complete in itself (alignment, chunk sums, index); its index's
+``metadata["tp"]`` is ``{"size": N, "rank": K}``, its side files are DEST's (the directory above
+its own), and its ``side_files`` list ``tp.json`` with them, so a changed manifest, or a rank file
+from another pack, is refused like a changed tokenizer. DEST has no ``model.cst``:
+``read_packed(DEST)`` raises ``TensorParallelPackError`` saying how to load one rank;
+``read_packed(DEST/rank-K)`` reads rank K's file and refuses one that records another rank.
+
 The format is little-endian only; ``open_packed`` refuses a big-endian host.
 """
 
@@ -84,6 +99,15 @@ ALIGN = 4096
 DEFAULT_CHUNK_BYTES = 16 << 20
 WEIGHTS_FILE = "model.cst"
 CHECKSUM_NAME = "wfletcher64-512"
+
+TP_MANIFEST = "tp.json"  # a split pack's manifest (see the docstring)
+_RANK_DIR = re.compile(r"rank-\d+")
+
+
+def rank_dir(rank: int) -> str:
+    """The directory of rank ``rank``'s weights in a split pack."""
+    return f"rank-{rank}"
+
 
 # Files that travel with the weights so the packed directory alone serves the model.
 SIDE_FILES = (
@@ -118,6 +142,11 @@ class PackedFormatError(Exception):
 
     The message names the file and, where it applies, the tensor or chunk.
     """
+
+
+class TensorParallelPackError(PackedFormatError):
+    """A tensor-parallel (split) pack was given where one packed model was expected: the message
+    says how to load one rank's part."""
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -211,6 +240,17 @@ class PackedFile:
     def tensors(self) -> list[TensorEntry]:
         return self.index.tensors
 
+    @property
+    def tp(self) -> dict | None:
+        """``{"size": N, "rank": K}`` for a rank's file of a split pack, else None."""
+        return self.index.metadata.get("tp")
+
+    @property
+    def model_dir(self) -> Path:
+        """The packed model's directory, where its side files are: the file's own, or for a rank's
+        file of a split pack the one above it."""
+        return self.path.parent.parent if self.tp else self.path.parent
+
     def tensors_in_chunk(self, chunk: int) -> list[str]:
         """Names of the tensors whose bytes overlap chunk number ``chunk``."""
         lo = chunk * self.index.chunk_bytes
@@ -273,8 +313,11 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     p = Path(path)
     if p.is_dir() or (p.name != WEIGHTS_FILE and not p.exists()):  # a packed directory, made or not
         p = p / WEIGHTS_FILE
-    _refuse_leftover(p.parent)
+    refuse_leftover(p.parent)
     if not p.exists():
+        if (p.parent / TP_MANIFEST).is_file():
+            from .tp import split_pack_error  # (weights.tp imports this module)
+            raise split_pack_error(p.parent)
         raise FileNotFoundError(f"{p}: no packed weight file ({p.name} missing); make one with "
                                 f"`coldstart pack HF_DIR {p.parent}`")
     size = p.stat().st_size
@@ -308,6 +351,9 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     if hashlib.sha256(raw).digest() != index_sha:
         raise _fail(p, "index is corrupt (sha256 mismatch); re-pack or re-copy the file")
     index = _parse_index(p, raw, data_bytes)
+    if "tp" in index.metadata:
+        from .tp import check_rank
+        check_rank(p, index.metadata["tp"])
     return PackedFile(p, size, data_off, data_bytes, index, index_sha.hex())
 
 
@@ -315,14 +361,16 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
 _PARTIAL_DIR = re.compile(r"\.(.+)\.partial-(?:\d+-)?[a-z0-9_]{8}")
 
 
-def _refuse_leftover(d: Path) -> None:
+def refuse_leftover(d: Path) -> None:
     """A pack's temporary directory is never a model, even one whose pack got as far as its
-    last rename: refused by name, saying what it is."""
-    m = _PARTIAL_DIR.fullmatch(d.resolve().name)
-    if m:
-        dest = d.resolve().parent / m.group(1)
-        raise _fail(d, f"the leftover of an interrupted `coldstart pack` into {dest}, not a packed "
-                       f"model; pack again (the next pack into {dest} removes it) or delete it")
+    last rename: refused by name, saying what it is (for a rank's directory, by its parent's)."""
+    r = d.resolve()
+    for x in ((r, r.parent) if _RANK_DIR.fullmatch(r.name) else (r,)):
+        m = _PARTIAL_DIR.fullmatch(x.name)
+        if m:
+            dest = x.parent / m.group(1)
+            raise _fail(d, f"the leftover of an interrupted `coldstart pack` into {dest}, not a packed "
+                           f"model; pack again (the next pack into {dest} removes it) or delete it")
 
 
 def _parse_index(p: Path, raw: bytes, data_bytes: int) -> Index:
@@ -409,7 +457,7 @@ def side_file_problems(packed: PackedFile) -> list[str]:
     listed = packed.index.side_files
     if listed is None:
         return []
-    d = packed.path.parent
+    d = packed.model_dir
     out = [m for name, want in sorted(listed.items()) if (m := _side_file_problem(d / name, want))]
     out += [f"{d / name}: not part of the packed model (model.cst's index does not list it), yet "
             "a replica would read it; remove it, or re-pack from a source that has it"
@@ -448,6 +496,6 @@ def check_side_files(packed: PackedFile) -> str | None:
 
 
 def unprotected_note(packed: PackedFile) -> str:
-    return (f"{packed.path.parent}: packed before side files were checksummed: its config.json, "
+    return (f"{packed.model_dir}: packed before side files were checksummed: its config.json, "
             "generation_config.json and tokenizer files are not protected (a change in them goes "
             "unnoticed); re-pack the model with this coldstart to protect them")

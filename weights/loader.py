@@ -16,6 +16,10 @@ per-tensor allocation, no second copy.
 CPU path: the data region is memory-mapped (copy-on-write, never written) and
 tensors are views of the map: zero copy, and nothing is read until used,
 except that verification (on by default) reads every chunk once.
+
+Split packs (``coldstart pack --tp N``): ``load(DEST, rank=K)`` (or ``load(DEST/rank-K)``)
+loads rank K's file the same way, its side files checked in DEST; ``config`` is the whole
+model's config.json, ``tp`` says which rank of how many the tensors are.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .format import DTYPES, PackedFile, PackedFormatError, check_side_files, rea
 from .options import LoadOptions
 from .segments import one_segment
 from .timing import PhaseTimer
+from .tp import rank_path
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,12 @@ class LoadedModel:
     def nbytes(self) -> int:
         return self.packed.data_bytes
 
+    @property
+    def tp(self) -> dict | None:
+        """``{"size": N, "rank": K}`` for rank K's part of a split pack (``path`` is then the pack's
+        directory, where config.json and the tokenizer are), else None."""
+        return self.packed.tp
+
 
 class DeviceMemoryError(RuntimeError):
     """The packed model does not fit in the device's free memory."""
@@ -71,14 +82,15 @@ def check_fits(need: int, free: int, total: int, device: str, headroom: int = 0)
             "(other processes, a smaller max_slots for the KV cache) or use a larger GPU")
 
 
-def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
+def load(path: str | os.PathLike, device: str | torch.device | None = None, *, rank: int | None = None,
          options: LoadOptions | None = None, timer: PhaseTimer | None = None) -> LoadedModel:
     """Load a packed model directory into one buffer on ``device``.
 
     Args:
-        path: packed model directory (or its ``model.cst``).
+        path: packed model directory (or its ``model.cst``), or with ``rank`` a split pack's.
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``; ``None`` (the default) is the GPU
             where torch sees one, else the CPU.
+        rank: load rank ``rank``'s part of the split pack ``path`` (``coldstart pack --tp N``).
         options: ``LoadOptions``.
         timer: a ``PhaseTimer`` to record phases into (a new one by default).
     Returns:
@@ -88,14 +100,16 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, *,
         PackedFormatError: bad structure, a checksum mismatch (names the chunk, its
             tensors and the file), or a side file (config.json, tokenizer files...)
             missing, changed, or not listed in the index (names the file).
+        TensorParallelPackError: ``path`` is a split pack and no ``rank`` was given.
         DeviceMemoryError: the model does not fit in free device memory.
-        ValueError: a device other than cpu and cuda, or cuda where torch sees no GPU.
+        ValueError: a device other than cpu and cuda, or cuda where torch sees no GPU; a
+            ``rank`` the split pack does not have, or a ``rank`` for a plain packed model.
 
     Example:
         >>> m = load("weights/demo", "cpu")
         >>> m.tensors["model.embed_tokens.weight"].shape
     """
-    return start_load(path, device, options=options, timer=timer).wait()
+    return start_load(path, device, rank=rank, options=options, timer=timer).wait()
 
 
 class PendingLoad:
@@ -179,12 +193,13 @@ class PendingLoad:
                            self.timer)
 
 
-def start_load(path: str | os.PathLike, device: str | torch.device | None = None, *,
+def start_load(path: str | os.PathLike, device: str | torch.device | None = None, *, rank: int | None = None,
                options: LoadOptions | None = None, timer: PhaseTimer | None = None,
                hold: bool = False) -> PendingLoad:
-    """Start loading a packed model (see ``load``) and return as soon as the device buffer
-    is allocated and its tensor views exist; ``PendingLoad.wait()`` finishes the load.
-    ``device=None`` is the GPU where torch sees one, else the CPU.
+    """Start loading a packed model (see ``load``; ``rank``: one rank's part of a split pack)
+    and return as soon as the device buffer is allocated and its tensor views exist;
+    ``PendingLoad.wait()`` finishes the load. ``device=None`` is the GPU where torch sees one,
+    else the CPU.
 
     On a GPU the reads, copies and checksums go on in a background thread; with
     ``hold=True`` they begin only at ``PendingLoad.release()``. On the CPU the load is a
@@ -196,11 +211,11 @@ def start_load(path: str | os.PathLike, device: str | torch.device | None = None
     timer = timer or PhaseTimer()
     dev = _device(device)
     with timer.phase("open"):
-        packed = read_packed(path)
+        packed = read_packed(path if rank is None else rank_path(path, rank))
         note = check_side_files(packed)  # before any weight byte is read (they are small)
         if note:
             log.warning(note)
-        d = packed.path.parent
+        d = packed.model_dir
         config = _read_config(d)
     if dev.type == "cpu":
         return PendingLoad(d, packed, dev, _load_cpu(packed, opts, timer), config, timer)

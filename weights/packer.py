@@ -27,12 +27,22 @@ leftovers of earlier packs into DEST, logging each with its size. It keeps one
 whose PID is a process still running, which is also what protects a running
 pack where the filesystem has no locks; leftovers named without a PID (by an
 older coldstart) are removed only under the lock.
+
+Split packs (``--tp N``, ``PackOptions(tp=N)``). The same steps write one
+weights file per rank, ``rank-K/model.cst`` (layout: ``weights.format``; the
+slicing rules: ``weights.tp``), with ``tp.json`` beside the side files. Each
+source tensor is read once and its N slices written, one to each rank's file;
+every rank's file has the same layout (the slices have one shape), so each
+rank's q/k/v and gate/up lie back to back as in a plain pack. Publishing,
+--force, the lock and the leftovers are those of a plain pack: the rank files
+are named model.cst only inside the temporary directory, renamed as a whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
@@ -42,15 +52,17 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
 
 from . import checksum
+from . import tp as tensor_parallel
 from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, MAGIC, PREAMBLE_BYTES, SIDE_FILES,
-                     WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
-                     file_sha256, read_json, read_tokenizer)
-from .sources import SourceError, find_weight_files, iter_tensors, open_sources
+                     TP_MANIFEST, WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
+                     file_sha256, rank_dir, read_json)
+from .sources import SourceError, SourceTensor, check_apart, check_source, is_within, iter_tensors, open_sources
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +81,19 @@ class PackOptions:
             (anything else is never replaced).
         chunk_bytes: checksum chunk size, a multiple of 4096.
         progress: show a progress bar (only on a terminal).
+        tp: split the model over this many tensor-parallel ranks, one weights file each
+            (``weights.tp``); 1 writes one plain model.cst.
     """
 
     dtype: str | None = None
     force: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"tp={self.tp!r} must be a number of ranks, 1 or more")
         if self.dtype is not None and self.dtype not in CAST_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported for casting; "
                              f"use one of {', '.join(CAST_DTYPES)}")
@@ -101,77 +118,15 @@ def _layout_key(name: str) -> list:
     return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", ".".join(parts))]
 
 
-def _check_src(src: Path) -> list[Path]:
-    if not src.exists():
-        raise SourceError(f"{src}: no such directory; give the path of a Hugging Face model directory")
-    if not src.is_dir():
-        raise SourceError(f"{src}: not a directory; give the path of a Hugging Face model directory")
-    if not any(src.iterdir()):
-        raise SourceError(f"{src}: the directory is empty; download or copy the model into it first")
-    if not (src / "config.json").is_file():
-        raise SourceError(f"{src}: no config.json; a Hugging Face model directory has one "
-                          "(save the model with save_pretrained, or copy config.json in)")
-    files = find_weight_files(src)
-    if not files:
-        raise SourceError(f"{src}: no weights (*.safetensors or *.bin files) found")
-    _check_side_files(src)
-    return files
-
-
-def _check_side_files(src: Path) -> None:
-    """The side files a replica reads must read: refused here, not when a replica starts."""
-    fix = "copy it again from the model's source"
-    for name in SIDE_FILES:
-        p = src / name
-        # (tokenizer.json: read whole by the tokenizers library below, not parsed twice)
-        if not name.endswith(".json") or name == "tokenizer.json" or not p.is_file():
-            continue
-        try:
-            read_json(p, fix)
-        except ValueError as e:
-            raise SourceError(str(e)) from None
-    if (src / "tokenizer.json").is_file():
-        try:
-            read_tokenizer(src / "tokenizer.json", fix)
-        except ValueError as e:
-            raise SourceError(str(e)) from None
-
-
-def _check_apart(src: Path, dest: Path) -> None:
-    """Refuse a DEST that is SRC, lies inside it or contains it: writing or replacing it would
-    change or delete the source. Compared by resolved path and by (device, inode) of the
-    directories on the way up, so symlinks and bind mounts are seen through."""
-    rs, rd = src.resolve(), dest.resolve()
-    fix = f"choose a DEST outside {src}"
-    if rd == rs or _is_within(rd, rs):
-        how = "is" if rd == rs or (rd.exists() and _ident(rd) == _ident(rs)) else "lies inside"
-        raise ValueError(f"DEST {dest} {how} SRC {src}: packing there would overwrite the "
-                         f"source checkpoint; {fix}")
-    if rd.exists() and _is_within(rs, rd):
-        raise ValueError(f"DEST {dest} contains SRC {src}: replacing it would delete the source "
-                         f"checkpoint; {fix}")
-
-
-def _is_within(inner: Path, outer: Path) -> bool:
-    """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
-    lies inside it."""
-    want = _ident(outer)
-    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
-
-
-def _ident(p: Path) -> tuple[int, int]:
-    st = p.stat()
-    return st.st_dev, st.st_ino
-
-
 def _check_replace(dest: Path, force: bool) -> None:
     """Refuse an existing DEST unless ``force`` is set and DEST is a packed model (a model.cst
     with coldstart's magic) or an empty directory: --force never deletes anything else."""
     if not (dest.exists() or dest.is_symlink()):
         return
     if not _replaceable(dest):
-        raise FileExistsError(f"{dest} exists and is not a packed model (no {WEIGHTS_FILE} with a "
-                              "coldstart header, and not an empty directory); it will not be "
+        raise FileExistsError(f"{dest} exists and is not a packed model (no {WEIGHTS_FILE}, nor a split "
+                              f"pack's {TP_MANIFEST} and {rank_dir(0)}/{WEIGHTS_FILE}, with a coldstart "
+                              "header, and not an empty directory); it will not be "
                               "replaced, with --force or without: choose another DEST")
     if not force:
         raise FileExistsError(f"{dest} exists; pass --force to replace it")
@@ -182,8 +137,13 @@ def _replaceable(dest: Path) -> bool:
         return False
     if not any(dest.iterdir()):
         return True
+    return _has_magic(dest / WEIGHTS_FILE) or (
+        (dest / TP_MANIFEST).is_file() and _has_magic(dest / rank_dir(0) / WEIGHTS_FILE))  # a split pack
+
+
+def _has_magic(path: Path) -> bool:
     try:
-        with open(dest / WEIGHTS_FILE, "rb") as f:
+        with open(path, "rb") as f:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:  # none there, or not a file
         return False
@@ -223,54 +183,95 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     """
     opts = options or PackOptions()
     src, dest = Path(src), Path(dest)
-    files = _check_src(src)
-    _check_apart(src, dest)
+    files = check_source(src)
+    check_apart(src, dest)
     _check_replace(dest, opts.force)
     metas, handles, aliases = open_sources(files)
-    if not metas:
-        raise SourceError(f"{src}: the weight files hold no tensors")
+    try:
+        if not metas:
+            raise SourceError(f"{src}: the weight files hold no tensors")
+        return write_pack(src, dest, metas, iter_tensors(files, handles, skip=set(aliases)), aliases, opts)
+    finally:
+        for h in handles:
+            if hasattr(h, "close"):
+                h.close()
 
-    # Layout first (metadata only), so every tensor can be written where it belongs.
+
+TensorStream = Iterable[tuple[str, torch.Tensor, "Path | str"]]
+
+
+def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: TensorStream,
+               aliases: dict[str, str], opts: PackOptions, source: str | None = None) -> Path:
+    """Lay out, write and publish a packed model at ``dest`` (under DEST's lock, atomically, as the
+    module's docstring says): the tensors ``metas`` describes, arriving from ``tensors`` as
+    (name, tensor, where it comes from), each once, in any order; split over ``opts.tp`` ranks
+    when that is above 1; side files copied from ``src``. ``pack`` gives it a checkpoint's
+    tensors, ``weights.demo`` random ones. ``source``: recorded in the index (SRC's name)."""
+    by_name, data_bytes, lay = _layout(src, metas, aliases, opts)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(dest) as locked:
+        _check_replace(dest, opts.force)  # again: another pack may have published it meanwhile
+        _remove_leftovers(dest, src, locked)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{os.getpid()}-", dir=dest.parent))
+        try:
+            meta = {"source": source or src.name, "cast": opts.dtype}
+            _write_pack(tmp, src, tensors, by_name, data_bytes, aliases, opts, lay, meta)
+            _publish(tmp, dest, opts.force)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    split = f" split over {opts.tp} ranks" if lay else ""
+    log.info("packed %d tensors (%.2f GB%s) from %s into %s", len(by_name), opts.tp * data_bytes / 1e9, split,
+             source or src, dest)
+    return dest
+
+
+def _layout(src: Path, metas: dict[str, SourceTensor], aliases: dict[str, str], opts: PackOptions
+            ) -> tuple[dict[str, TensorEntry], int, "tensor_parallel.Layout | None"]:
+    """Every tensor's entry (metadata only, so each can be written where it belongs as it
+    arrives), the data region's size, and the split over ranks (None for a plain pack); a rank's
+    entries are those of a slice, the same for every rank. SourceError for a model that does not
+    split over ``opts.tp`` ranks."""
+    lay = None
+    try:
+        if opts.tp > 1:
+            lay = tensor_parallel.layout(read_json(src / "config.json", "fix it or pack without --tp"), opts.tp)
+            for a, target in aliases.items():
+                if tensor_parallel.rule(a) != tensor_parallel.rule(target):
+                    raise ValueError(f"tensor {a!r} shares its storage with {target!r}, which is split otherwise")
+        shapes = {n: m.shape if lay is None else tensor_parallel.shard_shape(n, m.shape, lay)
+                  for n, m in metas.items()}
+    except ValueError as e:
+        raise SourceError(f"{src}: {e}") from None
     entries: list[TensorEntry] = []
     off = 0
     for name in sorted(metas, key=_layout_key):
         m = metas[name]
         stored = _stored_dtype(name, m.dtype, m.file, opts.dtype)
-        nbytes = int(np.prod(m.shape, dtype=np.int64)) * DTYPES[stored][0]
-        entries.append(TensorEntry(name, stored, m.shape, off, nbytes))
+        nbytes = int(np.prod(shapes[name], dtype=np.int64)) * DTYPES[stored][0]
+        entries.append(TensorEntry(name, stored, shapes[name], off, nbytes))
         off = align_up(off + nbytes)
-    data_bytes = max(align_up(off), ALIGN)
-    by_name = {e.name: e for e in entries}
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with _locked(dest) as locked:
-            _check_replace(dest, opts.force)  # again: another pack may have published it meanwhile
-            _remove_leftovers(dest, src, locked)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{os.getpid()}-", dir=dest.parent))
-            try:
-                _write_pack(tmp, src, files, handles, by_name, data_bytes, aliases, opts)
-                _publish(tmp, dest, opts.force)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-    finally:
-        for h in handles:
-            if hasattr(h, "close"):
-                h.close()
-    log.info("packed %d tensors (%.2f GB) from %s into %s", len(entries), data_bytes / 1e9, src, dest)
-    return dest
+    return {e.name: e for e in entries}, max(align_up(off), ALIGN), lay
 
 
-def _write_pack(tmp: Path, src: Path, files, handles, by_name: dict[str, TensorEntry],
-                data_bytes: int, aliases: dict[str, str], opts: PackOptions) -> None:
-    """Write the packed model into ``tmp``: side files, then the weights as model.cst.partial,
-    renamed model.cst once complete, all fsynced (see the module's docstring for why)."""
+def _write_pack(tmp: Path, src: Path, tensors: TensorStream, by_name: dict[str, TensorEntry], data_bytes: int,
+                aliases: dict[str, str], opts: PackOptions, lay: "tensor_parallel.Layout | None",
+                meta: dict) -> None:
+    """Write the packed model into ``tmp``: side files (and a split pack's tp.json), then the
+    weights as model.cst.partial (one per rank's directory in a split pack), each renamed
+    model.cst once complete, all fsynced (see the module's docstring for why)."""
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
     side = _copy_side_files(src, tmp)
-    _write_weights(tmp / _PARTIAL, files, handles, by_name, data_bytes, aliases, opts,
-                   {"source": src.name, "cast": opts.dtype}, side)
-    os.rename(tmp / _PARTIAL, tmp / WEIGHTS_FILE)  # complete from here on
+    paths, metadata = [tmp / _PARTIAL], [meta]
+    if lay is not None:
+        side[TP_MANIFEST] = _write_manifest(tmp, lay)
+        paths = [tmp / rank_dir(k) / _PARTIAL for k in range(lay.size)]
+        metadata = [{**meta, "tp": {"size": lay.size, "rank": k}} for k in range(lay.size)]
+        for path in paths:
+            path.parent.mkdir(mode=0o755)
+    _write_weights(paths, tensors, by_name, data_bytes, aliases, opts, metadata, side, lay)
+    for path in paths:
+        os.rename(path, path.with_name(WEIGHTS_FILE))  # complete from here on (inside tmp)
     _fsync_dir(tmp)
 
 
@@ -281,44 +282,62 @@ def _copy_side_files(src: Path, tmp: Path) -> dict[str, SideFile]:
     for name in SIDE_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
-            fd = os.open(tmp / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(tmp / name)
             out[name] = SideFile(file_sha256(tmp / name), (tmp / name).stat().st_size)
     return out
 
 
-def _write_weights(path: Path, files, handles, by_name: dict[str, TensorEntry], data_bytes: int,
-                   aliases: dict[str, str], opts: PackOptions, meta: dict,
-                   side: dict[str, SideFile]) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_manifest(tmp: Path, lay: "tensor_parallel.Layout") -> SideFile:
+    """A split pack's tp.json, fsynced; its index entry (every rank's index lists it)."""
+    path = tmp / TP_MANIFEST
+    path.write_text(json.dumps(tensor_parallel.manifest(lay, secrets.token_hex(8)), indent=1))
+    _fsync(path)
+    return SideFile(file_sha256(path), path.stat().st_size)
+
+
+def _write_weights(paths: list[Path], tensors: TensorStream, by_name: dict[str, TensorEntry], data_bytes: int,
+                   aliases: dict[str, str], opts: PackOptions, metadata: list[dict], side: dict[str, SideFile],
+                   lay: "tensor_parallel.Layout | None") -> None:
+    """Each tensor once, as it arrives: its one slice per file of ``paths`` (the tensor itself for
+    a plain pack) cast and written at its offset; then each file's sums, index and preamble."""
+    fds: list[int] = []
     try:
-        os.ftruncate(fd, PREAMBLE_BYTES + data_bytes)  # zero padding for free (sparse)
-        bar = _progress(sum(e.nbytes for e in by_name.values()), opts.progress)
-        for name, t, file in iter_tensors(files, handles, skip=set(aliases)):
+        for path in paths:
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+            os.ftruncate(fds[-1], PREAMBLE_BYTES + data_bytes)  # zero padding for free (sparse)
+        bar = _progress(len(paths) * sum(e.nbytes for e in by_name.values()), opts.progress)
+        for name, t, file in tensors:
             e = by_name[name]
-            if tuple(t.shape) != e.shape:
-                raise SourceError(f"{file}: tensor {name!r} changed shape while reading")
-            t = t.to(getattr(torch, e.dtype)) if str(t.dtype) != f"torch.{e.dtype}" else t
-            buf = t.contiguous().view(-1).view(torch.uint8).numpy()
-            _pwrite_all(fd, buf, PREAMBLE_BYTES + e.offset, file, name)
-            bar.update(e.nbytes)
+            pieces = [t] if lay is None else [tensor_parallel.shard(name, t, lay, k) for k in range(lay.size)]
+            for fd, piece in zip(fds, pieces):
+                if tuple(piece.shape) != e.shape:
+                    raise SourceError(f"{file}: tensor {name!r} changed shape while reading")
+                piece = piece.to(getattr(torch, e.dtype)) if str(piece.dtype) != f"torch.{e.dtype}" else piece
+                buf = piece.contiguous().view(-1).view(torch.uint8).numpy()
+                _pwrite_all(fd, buf, PREAMBLE_BYTES + e.offset, file, name)
+                bar.update(e.nbytes)
         bar.close()
-        # Sums over what is on disk now (mostly still in the page cache), via a map.
-        # mode "c": a private map torch may wrap without a read-only warning; never written
-        region = np.memmap(path, dtype=np.uint8, mode="c", offset=PREAMBLE_BYTES, shape=(data_bytes,))
-        sums = checksum.chunk_sums(torch.from_numpy(region), opts.chunk_bytes)
-        del region
-        index = Index(sorted(by_name.values(), key=lambda e: e.offset), opts.chunk_bytes, sums,
-                      aliases, meta, side).to_bytes()
-        _pwrite_all(fd, np.frombuffer(index, np.uint8), PREAMBLE_BYTES + data_bytes, path, "index")
-        # The preamble goes last: until it is written the file has no valid magic.
-        _pwrite_all(fd, np.frombuffer(encode_preamble(data_bytes, index), np.uint8), 0, path, "header")
-        os.fsync(fd)
+        for fd, path, meta in zip(fds, paths, metadata):
+            _finish_weights(fd, path, by_name, data_bytes, aliases, opts, meta, side)
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+
+def _finish_weights(fd: int, path: Path, by_name: dict[str, TensorEntry], data_bytes: int,
+                    aliases: dict[str, str], opts: PackOptions, meta: dict, side: dict[str, SideFile]) -> None:
+    """A weights file whose data is written: its chunk sums, its index, and last its preamble."""
+    # Sums over what is on disk now (mostly still in the page cache), via a map.
+    # mode "c": a private map torch may wrap without a read-only warning; never written
+    region = np.memmap(path, dtype=np.uint8, mode="c", offset=PREAMBLE_BYTES, shape=(data_bytes,))
+    sums = checksum.chunk_sums(torch.from_numpy(region), opts.chunk_bytes)
+    del region
+    index = Index(sorted(by_name.values(), key=lambda e: e.offset), opts.chunk_bytes, sums,
+                  aliases, meta, side).to_bytes()
+    _pwrite_all(fd, np.frombuffer(index, np.uint8), PREAMBLE_BYTES + data_bytes, path, "index")
+    # The preamble goes last: until it is written the file has no valid magic.
+    _pwrite_all(fd, np.frombuffer(encode_preamble(data_bytes, index), np.uint8), 0, path, "header")
+    os.fsync(fd)
 
 
 def _pwrite_all(fd: int, buf: np.ndarray, offset: int, file, name: str) -> None:
@@ -331,19 +350,22 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int, file, name: str) -> None:
         done += n
 
 
-def _fsync_dir(d: Path) -> None:
-    for p in d.iterdir():
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(d, os.O_RDONLY)
+def _fsync(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_dir(d: Path) -> None:
+    """Every file under ``d`` (a split pack's rank directories too), then the directories."""
+    for p in d.iterdir():
+        if p.is_dir() and not p.is_symlink():
+            _fsync_dir(p)
+        elif p.is_file():
+            _fsync(p)
+    _fsync(d)
 
 
 def _publish(tmp: Path, dest: Path, force: bool) -> None:
@@ -354,11 +376,7 @@ def _publish(tmp: Path, dest: Path, force: bool) -> None:
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
         os.rename(dest, old)
     os.rename(tmp, dest)
-    fd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(dest.parent)
     if old is not None:
         with contextlib.suppress(OSError):  # what is left, the next pack into DEST removes
             _remove(old)
@@ -419,7 +437,7 @@ def _remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
     pattern, rs = _leftover_re(dest), src.resolve()
     for p in sorted(dest.parent.iterdir()):
         m = pattern.fullmatch(p.name)
-        if not m or _is_within(rs, p.resolve()):
+        if not m or is_within(rs, p.resolve()):
             continue
         digits = m.group(1) or m.group(2)
         pid = int(digits) if digits else None

@@ -4,7 +4,9 @@ Two formats: safetensors shards (parsed here directly: an 8-byte header length,
 a JSON header, then raw bytes; memory-mapped, so a tensor costs no RAM until it
 is touched) and PyTorch ``.bin`` files, read with ``torch.load(weights_only=True,
 mmap=True)``, which never unpickles code. Every source yields the same thing:
-``(name, tensor, file)`` in a stable order.
+``(name, tensor, file)`` in a stable order. Also what a pack checks of SRC first:
+that it is a checkpoint whose side files read (``check_source``), and that DEST
+neither is nor holds nor lies inside it (``check_apart``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from .format import SIDE_FILES, read_json, read_tokenizer
 
 # safetensors dtype codes -> torch dtypes we store
 _ST_DTYPES = {
@@ -196,3 +200,68 @@ def iter_tensors(files: list[Path], handles: list,
         for name, t in items:
             if name not in skip:
                 yield name, t, path
+
+
+def check_source(src: Path) -> list[Path]:
+    """SRC's weight files, after checking that SRC is a checkpoint directory whose side files a
+    replica could read (SourceError naming what is wrong otherwise)."""
+    if not src.exists():
+        raise SourceError(f"{src}: no such directory; give the path of a Hugging Face model directory")
+    if not src.is_dir():
+        raise SourceError(f"{src}: not a directory; give the path of a Hugging Face model directory")
+    if not any(src.iterdir()):
+        raise SourceError(f"{src}: the directory is empty; download or copy the model into it first")
+    if not (src / "config.json").is_file():
+        raise SourceError(f"{src}: no config.json; a Hugging Face model directory has one "
+                          "(save the model with save_pretrained, or copy config.json in)")
+    files = find_weight_files(src)
+    if not files:
+        raise SourceError(f"{src}: no weights (*.safetensors or *.bin files) found")
+    _check_side_files(src)
+    return files
+
+
+def _check_side_files(src: Path) -> None:
+    """The side files a replica reads must read: refused here, not when a replica starts."""
+    fix = "copy it again from the model's source"
+    for name in SIDE_FILES:
+        p = src / name
+        # (tokenizer.json: read whole by the tokenizers library below, not parsed twice)
+        if not name.endswith(".json") or name == "tokenizer.json" or not p.is_file():
+            continue
+        try:
+            read_json(p, fix)
+        except ValueError as e:
+            raise SourceError(str(e)) from None
+    if (src / "tokenizer.json").is_file():
+        try:
+            read_tokenizer(src / "tokenizer.json", fix)
+        except ValueError as e:
+            raise SourceError(str(e)) from None
+
+
+def check_apart(src: Path, dest: Path) -> None:
+    """Refuse a DEST that is SRC, lies inside it or contains it: writing or replacing it would
+    change or delete the source. Compared by resolved path and by (device, inode) of the
+    directories on the way up, so symlinks and bind mounts are seen through."""
+    rs, rd = src.resolve(), dest.resolve()
+    fix = f"choose a DEST outside {src}"
+    if rd == rs or is_within(rd, rs):
+        how = "is" if rd == rs or (rd.exists() and _ident(rd) == _ident(rs)) else "lies inside"
+        raise ValueError(f"DEST {dest} {how} SRC {src}: packing there would overwrite the "
+                         f"source checkpoint; {fix}")
+    if rd.exists() and is_within(rs, rd):
+        raise ValueError(f"DEST {dest} contains SRC {src}: replacing it would delete the source "
+                         f"checkpoint; {fix}")
+
+
+def is_within(inner: Path, outer: Path) -> bool:
+    """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
+    lies inside it."""
+    want = _ident(outer)
+    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
+
+
+def _ident(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_dev, st.st_ino

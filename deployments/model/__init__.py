@@ -4,6 +4,11 @@ packed model's tensors become one of them without a copy (``build``)::
 
     from deployments.model import build_model
     model = build_model(loaded.config, loaded.tensors)
+
+A tensor-parallel rank's model (``tp``: its process group; ``deployments.model.tp``)::
+
+    loaded = weights.load(DEST, rank=torch.distributed.get_rank(group))
+    model = build_model(loaded.config, loaded.tensors, tp=group)
 """
 
 from deployments.model.build import build_model, build_native

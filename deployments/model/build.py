@@ -6,6 +6,11 @@ computes exactly (``config.is_native``) and transformers' own class otherwise
 *assigned*, so its parameters stay views into the loader's one device buffer; q/k/v and
 gate/up are fused into one matrix each where the packer laid them back to back (a view, no
 copy); the decode kernels are chosen by ``deployments.kernels.policy``.
+
+Tensor parallelism: ``build_model(config, tensors, tp=group)`` builds the model of this process's
+rank in the torch.distributed process group ``group`` from that rank's tensors (``weights.load(DEST,
+rank=K)`` of a ``coldstart pack --tp N`` pack): the same build at the rank's sizes
+(``weights.tp.rank_config``), with the group's collectives (``deployments.model.tp``).
 """
 
 from __future__ import annotations
@@ -52,13 +57,24 @@ def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None) -> Transformer:
+def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None,
+                 tp: Any = None) -> Transformer:
     """Build the native decoder on meta and assign `tensors` (HF names) as its parameters.
+
+    ``tp``: a torch.distributed process group of more than one rank: `tensors` are this process's
+    rank's slices (``weights.tp``) and the model is that rank's, with the group's collectives
+    (``deployments.model.tp``); None or a group of one: the whole model, no collectives.
 
     Raises ValueError listing missing, unexpected and mis-shaped tensors.
     """
     t_start = time.perf_counter()
-    cfg = ModelConfig.from_hf(config)
+    parallel = None
+    if tp is not None:
+        from deployments.model.tp import tensor_parallel  # torch.distributed: only on this path
+        from weights.tp import rank_config
+
+        parallel = tensor_parallel(config, tp)
+    cfg = ModelConfig.from_hf(config if parallel is None else rank_config(config, parallel.size))
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = _expected_shapes(model)
@@ -77,7 +93,10 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             if items:
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
                 parts.append(f"{title} ({len(items)}): " + "; ".join(shown))
-        raise ValueError(f"{cfg.architecture} weights do not match config.json: " + " | ".join(parts))
+        whose = "config.json" if parallel is None else (
+            f"rank {parallel.rank} of {parallel.size}'s slice of config.json (load that rank's part: "
+            f"weights.load(DEST, rank={parallel.rank}))")
+        raise ValueError(f"{cfg.architecture} weights do not match {whose}: " + " | ".join(parts))
     devices = {t.device for t in given.values()}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -92,6 +111,7 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
         setattr(model.get_submodule(mod_name), leaf, nn.Parameter(given[name], requires_grad=False))
     if cfg.tie_word_embeddings:  # HF ties even when lm_head.weight is stored
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.tp = parallel
     fused = fuse_projections(model)
     log.info("fused projections: %d of %d (zero-copy views)", fused, 2 * cfg.num_hidden_layers)
     model.build_s["assemble"] = time.perf_counter() - t_start
@@ -109,8 +129,12 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     return model
 
 
-def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> nn.Module:
+def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, tp: Any = None) -> nn.Module:
     """Build the serving model for `config` (an HF config.json dict) from `tensors` (HF names).
+
+    ``tp``: a torch.distributed process group of the model's ranks: `tensors` are this process's
+    rank's (``weights.load(DEST, rank=K)``) and the model is that rank's (native decoders only;
+    see ``build_native``).
 
     Llama / Mistral / Qwen2 get the native decoder, unless a field asks for math it does not
     do (`native_blockers`, listed in deployments.model.config's docstring); those configs and
@@ -128,7 +152,10 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) 
                     "nothing here: %s", arch, arch, "; ".join(unread))
     why = native_blockers(config)
     if not why:
-        return build_native(config, tensors)
+        return build_native(config, tensors, tp=tp)
+    if tp is not None and _group_size(tp) > 1:
+        raise ValueError(f"{arch}: tensor parallelism needs the native decoder, and this config is not served "
+                         f"natively ({'; '.join(why)}); serve it on one device")
     from deployments.model.hf_fallback import build_hf_model  # imports transformers: only on this path
 
     try:
@@ -138,3 +165,9 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) 
             raise
         raise ValueError(f"{arch}: not served natively ({'; '.join(why)}), and transformers could not build it "
                          f"either: {type(e).__name__}: {e}") from e
+
+
+def _group_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)

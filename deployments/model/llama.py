@@ -13,6 +13,10 @@ layers of one forward call:
 - decode    one token for each of the first B slots of the static cache.
   Static shapes (B, kv_len) so the engine can capture it as a CUDA graph.
 
+A tensor-parallel rank (``Transformer.tp``, set by the build: ``deployments.model.tp``) is this
+same decoder at its rank's sizes; ``tp`` joins the ranks' work after o_proj and down_proj, in the
+embedding and in the head. With ``tp`` None (one device) those are plain checks that skip.
+
 This module must stay cheap to import: no transformers, no ray, no jinja2.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,9 +244,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, ctx: AttnContext, tp: Any = None) -> torch.Tensor:
+        # tp: a tensor-parallel rank's TensorParallel: attention and MLP give partial sums
+        a = self.self_attn(self.input_layernorm(x), ctx)
+        x = x + (a if tp is None else tp.all_reduce(a))
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + (m if tp is None else tp.all_reduce(m))
 
 
 class _Backbone(nn.Module):
@@ -269,6 +277,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
         self.kernels = KernelPlan()  # the Triton kernels it runs on CUDA (set by the build: kernels.policy)
+        self.tp: Any = None  # a tensor-parallel rank's deployments.model.tp.TensorParallel (set by the build)
         self.build_s: dict[str, float] = {}  # the build's steps, seconds (assemble, kernel tests, GEMV choice)
 
     @property
@@ -282,6 +291,11 @@ class Transformer(nn.Module):
     @property
     def max_position_embeddings(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width: the whole vocabulary (a tensor-parallel rank's config has its slice's)."""
+        return self.config.vocab_size if self.tp is None else self.tp.vocab_size
 
     def setup_rope(self, max_seq_len: int) -> None:
         """Precompute cos/sin tables [max_seq_len, head_dim] (fp32 math, HF order) for the
@@ -330,10 +344,14 @@ class Transformer(nn.Module):
         return self._layers(tokens, ctx)
 
     def _layers(self, tokens: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        x = self.model.embed_tokens(tokens)  # [B, S, D]
+        tp = self.tp
+        if tp is None:
+            x = self.model.embed_tokens(tokens)  # [B, S, D]
+        else:
+            x = tp.embed(tokens, self.model.embed_tokens.weight)
         if not self.kernels.fused:
             for layer in self.model.layers:
-                x = layer(x, ctx)
+                x = layer(x, ctx, tp)
             return self.model.norm(x)
         # Triton path: each residual add is fused into the RMSNorm that follows it
         ctx.fused, ctx.gemv = True, self.kernels.gemv  # (decode() sets ctx.attention_kernel)
@@ -341,8 +359,12 @@ class Transformer(nn.Module):
         h, res = layers[0].input_layernorm(x), x
         for i, layer in enumerate(layers):
             a = layer.self_attn(h, ctx)
+            if tp is not None:
+                tp.all_reduce(a)
             h, res = ops.add_rms_norm(a, res, layer.post_attention_layernorm.weight, eps)
             m = layer.mlp(h, ctx)
+            if tp is not None:
+                tp.all_reduce(m)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, res = ops.add_rms_norm(m, res, nxt.weight, eps)
         return h
@@ -367,6 +389,12 @@ class Transformer(nn.Module):
         so each bucket saves reading."""
         return buckets[-1:] if self.attention_kernel() else buckets
 
+    def _head(self, h: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
+        """Logits of the final hidden states ``h`` [..., D] -> [..., vocab_size] (ctx: a decode
+        step's, for its GEMV choice); a tensor-parallel rank's gathered from every rank."""
+        logits = _linear(h, self.lm_head.weight, None, ctx)
+        return logits if self.tp is None else self.tp.gather_logits(logits)
+
     def _check_len(self, n: int) -> None:
         if n > self.rope_len:
             raise ValueError(f"sequence of {n} positions exceeds the rope table ({self.rope_len}); call setup_rope")
@@ -379,7 +407,7 @@ class Transformer(nn.Module):
         if any(w is not None for w in self.config.layer_windows):
             pos = torch.arange(S, device=tokens.device).expand(B, S)
             ctx.masks = self._masks(pos, S)
-        return self.lm_head(self._run(tokens, ctx))
+        return self._head(self._run(tokens, ctx))
 
     def prefill(self, tokens: torch.Tensor, cache: KVCache, slot: int, start: int,
                 n_valid: int | None = None) -> torch.Tensor:
@@ -398,7 +426,7 @@ class Transformer(nn.Module):
         if start > 0 or any(w is not None for w in self.config.layer_windows):
             ctx.masks = self._masks(pos, end)
         h = self._run(tokens, ctx)
-        return self.lm_head(h[0, (n_valid or C) - 1])
+        return self._head(h[0, (n_valid or C) - 1])
 
     def prefill_batch(self, tokens: torch.Tensor, cache: KVCache, slots: list[int], n_valid: list[int],
                       logit_rows: int | None = None) -> torch.Tensor:
@@ -424,7 +452,7 @@ class Transformer(nn.Module):
         rows = max(B, logit_rows or B)
         take = torch.tensor([n - 1 for n in n_valid] + [n_valid[0] - 1] * (rows - B), device=dev)
         src = torch.tensor(list(range(B)) + [0] * (rows - B), device=dev)
-        return self.lm_head(h[src, take])[:B]
+        return self._head(h[src, take])[:B]
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cache: KVCache, kv_len: int
@@ -460,4 +488,4 @@ class Transformer(nn.Module):
             attention_kernel=attention_kernel,
         )
         h = self._run(tokens.view(B, 1), ctx)
-        return _linear(h[:, 0], self.lm_head.weight, None, ctx)
+        return self._head(h[:, 0], ctx)

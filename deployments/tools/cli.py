@@ -21,13 +21,23 @@ DEMO_DIR = Path("weights/demo")
 def _cmd_pack(a: argparse.Namespace) -> int:
     from weights import PackOptions, pack
     opts = PackOptions(dtype=a.dtype, force=a.force, chunk_bytes=a.chunk_mib << 20,
-                       progress=not a.quiet)
+                       progress=not a.quiet, tp=a.tp)
     dest = pack(a.src, a.dest, opts)
-    from weights import read_packed
-    pf = read_packed(dest)
-    print(f"packed {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
-          f"(digest {pf.digest[:16]})")
+    _print_packed(dest, "packed", opts.tp)
     return 0
+
+
+def _print_packed(dest: Path, what: str, tp: int) -> None:
+    from weights import read_packed
+    if tp == 1:
+        pf = read_packed(dest)
+        print(f"{what} {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
+              f"(digest {pf.digest[:16]})")
+        return
+    from weights.tp import rank_path
+    pfs = [read_packed(rank_path(dest, k)) for k in range(tp)]
+    print(f"{what} {len(pfs[0].tensors)} tensors split over {tp} ranks, {pfs[0].data_bytes / 1e9:.3f} GB per "
+          f"rank, into {dest}/rank-0 ... rank-{tp - 1} (digests {', '.join(pf.digest[:16] for pf in pfs)})")
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
@@ -52,16 +62,22 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if not report.ok:
         print(f"FAILED: {report.summary()}; re-copy or re-pack the model", file=sys.stderr)
         return 1
-    pf = report.packed
-    print(f"ok: {pf.path} ({len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
-          f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
+    for r in getattr(report, "ranks", [report]):  # a split pack's: one line per rank
+        pf = r.packed
+        rank = f"rank {pf.tp['rank']} of {pf.tp['size']}, " if pf.tp else ""
+        print(f"ok: {pf.path} ({rank}{len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
+              f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
     return 0
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
     from weights import make_demo
-    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force)
-    print(f"wrote a random {a.shape} Llama checkpoint to {dest}")
+    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force, layers=a.layers, tp=a.tp)
+    layers = f" ({a.layers} layers)" if a.layers else ""
+    if a.tp > 1:
+        _print_packed(dest, f"wrote a random {a.shape}{layers} model, packed:", a.tp)
+    else:
+        print(f"wrote a random {a.shape}{layers} Llama checkpoint to {dest}")
     return 0
 
 
@@ -263,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace DEST if it exists")
     p.add_argument("--chunk-mib", type=int, default=16, help="checksum chunk size in MiB")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split over N tensor-parallel ranks: DEST/rank-K/model.cst for each rank K")
     p.set_defaults(fn=_cmd_pack)
 
     p = sub.add_parser("verify", help="check a packed model's structure and checksums")
@@ -277,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is fast)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--layers", type=int, metavar="N", help="write only N of the shape's layers (its widths kept)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="write the model packed and split over N tensor-parallel ranks (as `pack --tp N` of "
+                        "the checkpoint), not the checkpoint")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("serve", help="`serve run` the config (making the demo model if it serves the demo)")
