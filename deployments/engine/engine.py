@@ -52,7 +52,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config.resolved(model.max_position_embeddings)
         self.device = model.device
-        self.vocab_size = model.config.vocab_size
+        self.vocab_size = model.vocab_size  # the logits' width (a tensor-parallel rank's config holds its slice)
         self._eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.runner = ModelRunner(model, cfg)
         self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot)

@@ -7,7 +7,7 @@ only inside `build_hf_model`, never at module import.
 
 The wrapper exposes the same model interface the engine uses for the native
 decoder: `new_cache`, `cache_bytes`, `prefill`, `decode`, `max_position_embeddings`,
-`dtype`, `device`, `config.vocab_size`, `supports_cuda_graphs`.
+`dtype`, `device`, `vocab_size` (the logits' width), `supports_cuda_graphs`.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class HFModel(nn.Module):
         )
         self.config = _Cfg(int(config["vocab_size"]), int(n_pos), (config.get("architectures") or ["?"])[0])
         self.max_position_embeddings = self.config.max_position_embeddings
+        self.vocab_size = self.config.vocab_size
 
     @property
     def dtype(self) -> torch.dtype:

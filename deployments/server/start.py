@@ -165,6 +165,9 @@ class Start:
         from deployments.model import is_native
         from weights import loader
         if not (self.path / "model.cst").is_file():
+            from weights.tp import is_split_pack, split_pack_error
+            if is_split_pack(self.path):  # served by a tensor-parallel group, not one replica process
+                raise split_pack_error(self.path)
             raise FileNotFoundError(
                 f"{self.path}: no packed model here (model.cst missing); make one with `coldstart pack HF_DIR "
                 f"{self.path}`, or run `coldstart serve` for the demo")
