@@ -49,5 +49,9 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Application builder for serve_config.yaml's ``import_path: deployments.app:build_app``:
     ``args`` are ``DeploymentArgs`` fields, checked here, on the controller."""
     a = parse(DeploymentArgs, args, "args")
+    deployment = LLMDeployment
+    if a.tp > 1:  # one replica over tp devices of one node: its placement group (serve_config.yaml may set its own)
+        deployment = LLMDeployment.options(placement_group_bundles=a.bundles(),
+                                           placement_group_strategy="STRICT_PACK")
     # a relative model path is resolved where `serve run` was started, not in the replica
-    return LLMDeployment.bind(**a.model_copy(update={"model": str(a.model_path())}).model_dump())
+    return deployment.bind(**a.model_copy(update={"model": str(a.model_path())}).model_dump())

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deployments import envs
 from deployments.engine.config import EngineConfig
@@ -56,6 +56,10 @@ class DeploymentArgs(BaseModel):
     """The weight load's options (``LoadOptions``)."""
     http: HttpOptions = Field(default_factory=HttpOptions)
     """The HTTP front's limits (``HttpOptions``)."""
+    tp: int = Field(1, ge=1, strict=True)
+    """Tensor-parallel ranks: the model is a split pack (`coldstart pack SRC DEST --tp N`) served by
+    one replica over N devices of one node (N bundles of one GPU each, STRICT_PACK; the replica is
+    rank 0, the others are Ray actors in its placement group)."""
     fault_injection: bool = Field(False, strict=True)
     """Enable POST /admin/fault for drills (stops the engine loop, so health checks fail)."""
 
@@ -65,6 +69,19 @@ class DeploymentArgs(BaseModel):
         if v not in ("auto", "cpu", "cuda") and not (v.startswith("cuda:") and v[5:].isdigit()):
             raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _one_device_each(self) -> "DeploymentArgs":
+        if self.tp > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"tp: each of the {self.tp} ranks uses the GPU Ray gives it; set device to auto or "
+                             f"cuda, not {self.device}")
+        return self
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group a replica of ``tp`` > 1 ranks needs: one bundle per rank (one GPU each
+        unless the device is cpu); the replica's own actor takes bundle 0."""
+        one = {"CPU": 1.0} if self.device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
+        return [dict(one) for _ in range(self.tp)]
 
     def model_path(self) -> Path:
         p = Path(self.model).expanduser()

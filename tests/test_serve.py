@@ -180,6 +180,20 @@ def test_coldstart_serve_model_serves_that_packed_model(tmp_path, tiny_packed):
         assert not (run / "weights").exists()
 
 
+def test_serve_model_serves_a_split_pack_over_its_ranks(tmp_path, tiny_hf):
+    """`coldstart serve --model DIR` with a split pack: the ranks come from the pack, the replica
+    gets its placement group, and its rank 1 is in /stats."""
+    from weights import PackOptions, pack
+    model = pack(tiny_hf, tmp_path / "models" / "split", PackOptions(tp=2, progress=False))
+    run = tmp_path / "run"
+    run.mkdir()
+    with _coldstart_serve(run, "--model", str(model)):
+        assert _answers_generate().json()["usage"]["completion_tokens"] >= 1
+        stats = httpx.get(BASE + "/stats", timeout=30).json()
+        assert [r["rank"] for r in stats["ranks"]] == [1] and stats["ranks"][0]["phases"]["load"] > 0
+    assert "args.tp=2" in (run / "serve.log").read_text()
+
+
 def test_autoscaling_up_under_load_never_routes_to_a_warming_replica_and_back(ray_instance,
                                                                               tiny_packed):
     """1 -> 2 replicas under a bounded load and back to 1. The new replica holds 6 s in its

@@ -63,12 +63,15 @@ def test_the_start_is_one_list_of_named_steps(tiny_packed):
     timer = PhaseTimer()
     start = Start(args, timer)
     names = [s.name for s in start.steps()]
-    assert names == ["imports", "context", "load_start", "load_first", "engine_model", "engine_tokenizer",
-                     "engine_kv_cache", "engine_graphs", "load_wait"]
+    assert names == ["ranks", "imports", "context", "tp_group", "load_start", "load_first", "engine_model",
+                     "engine_tokenizer", "engine_kv_cache", "load_release", "ranks_ready", "engine_graphs",
+                     "load_wait", "ranks_loaded"]
     start.run()
     try:
         done = [p.name for p in timer.phases if p.name in names]
-        assert done == names[:-1]  # loaded first (CPU): nothing left to wait for at the end
+        # one device: no tensor-parallel steps; loaded first (CPU): nothing left to wait for at the end
+        assert done == ["imports", "context", "load_start", "load_first", "engine_model", "engine_tokenizer",
+                        "engine_kv_cache", "engine_graphs"]
         assert {"load", "engine", "constructor"} <= set(timer.as_dict())
         assert start.engine.alive() and start.loaded is not None
     finally:

@@ -144,12 +144,10 @@ def test_verify_checks_every_rank_and_names_the_bad_one(split_pack, tmp_path):
 
 
 def test_a_split_pack_given_as_one_model_says_how_to_load_a_rank(split_pack, tiny_packed):
-    from deployments.server.replica import LLMServer
     from deployments.tools.cli import packed_model
 
     d = split_pack / "p"
-    for call in (lambda: load(d, "cpu"), lambda: read_packed(d), lambda: packed_model(d),
-                 lambda: LLMServer(str(d), device="cpu")):
+    for call in (lambda: load(d, "cpu"), lambda: read_packed(d), lambda: packed_model(d)):
         with pytest.raises(TensorParallelPackError, match=r"split over 2 ranks .* weights\.load\(.*, rank=K\)"):
             call()
     with pytest.raises(ValueError, match=r"rank=2: .* is split over 2 ranks, 0 to 1"):

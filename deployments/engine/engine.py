@@ -48,13 +48,18 @@ class Engine:
         ids, text, reason = engine.generate(tokenizer.encode("The answer is "), SamplingParams(temperature=0))
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig):
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, *, channel: Any = None):
+        # channel: a tensor-parallel model's rank 0 sends its runner's calls to the other ranks
+        # over it (``deployments.engine.mirror``); they run them in ``follow``
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config.resolved(model.max_position_embeddings)
         self.device = model.device
         self.vocab_size = model.vocab_size  # the logits' width (a tensor-parallel rank's config holds its slice)
         self._eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        self.runner = ModelRunner(model, cfg)
+        self.runner: Any = ModelRunner(model, cfg)
+        if channel is not None:
+            from deployments.engine.mirror import Mirrored
+            self.runner = Mirrored(self.runner, channel)
         self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot)
         self.capture_lock = self.runner.capture_lock
         self._wake = threading.Event()

@@ -31,7 +31,7 @@ class NotWarm(RuntimeError):
 
 
 class LLMServer:
-    """A replica: one model on one device.
+    """A replica: one model on one device (or, with ``tp`` > 1, on that many: rank 0 here).
 
     Args (keyword, as serve_config.yaml's ``args``): see ``DeploymentArgs``. ``metrics``: where
     phases and request figures go (``Metrics(use_ray=True)`` inside Ray). ``own_process``: the
@@ -40,7 +40,7 @@ class LLMServer:
     """
 
     def __init__(self, model: str = "weights/demo", *, model_name: str | None = None, device: str = "auto",
-                 engine: dict | None = None, load: dict | None = None, http: dict | None = None,
+                 engine: dict | None = None, load: dict | None = None, http: dict | None = None, tp: int = 1,
                  fault_injection: bool = False, metrics: Metrics | None = None, own_process: bool = False,
                  start: Callable[..., Any] = Start):
         self.started_at = time.time()  # Unix times of the start-up milestones, for /stats
@@ -48,13 +48,14 @@ class LLMServer:
         self._t0 = time.perf_counter()
         self.args = parse(DeploymentArgs, {
             "model": model, "model_name": model_name, "device": device, "engine": engine or {},
-            "load": load or {}, "http": http or {}, "fault_injection": fault_injection}, "args")
+            "load": load or {}, "http": http or {}, "tp": tp, "fault_injection": fault_injection}, "args")
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}"  # every response says which replica answered
         self.metrics = metrics or Metrics()
         self.timer = PhaseTimer(sinks=[self.metrics.phase])
         self.warm = False
         self.warmups = 0
         self.started = start(self.args, self.timer, own_process=own_process).run()
+        self.ranks = getattr(self.started, "ranks", None)  # a tensor-parallel replica's other ranks
         self.engine, self.tokenizer, self.model = self.started.engine, self.started.tokenizer, self.started.model
         self.device, self.loaded = self.started.device, self.started.loaded
         self.model_name = self.args.model_name or self.args.model_path().name
@@ -91,6 +92,8 @@ class LLMServer:
             raise NotWarm("replica is not warm yet")
         if not self.engine.alive():
             raise RuntimeError(f"engine loop is not running: {self.engine.error!r}")
+        if self.ranks is not None:
+            self.ranks.check()
         with self.engine.capture_lock:  # its device-wide synchronize never lands inside a capture
             err = device_error(self.device)
         if err:
@@ -116,7 +119,10 @@ class LLMServer:
                 "process_started_at": process_start_time(), "imported_at": IMPORTED_AT,
                 "early_import": early.times(), "gc": early.gc_state(),
                 "constructor_started_at": self.started_at, "warm_at": self.warm_at,
-                "engine": self.engine.stats(), **self.metrics.snapshot()}
+                "engine": self.engine.stats(), **self.metrics.snapshot(),
+                **({"ranks": self.ranks.describe()} if self.ranks is not None else {})}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.ranks is not None:  # their loops end with rank 0's (a stuck loop: their processes end)
+            self.ranks.shutdown(None if self.engine.alive() else getattr(self.engine.runner, "stop", None))

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from deployments.config import DeploymentArgs
 from deployments.startup import early
+from weights.format import rank_dir
 from weights.readahead import is_cold, stop_trickle, trickle
 from weights.timing import PhaseTimer
 
@@ -42,11 +43,26 @@ class Step:
 class Start:
     """One replica's start from ``args``; ``run()`` returns when the engine serves (not yet warm:
     ``reconfigure`` warms it). ``own_process``: the process is the replica's own (a Ray worker),
-    so it may keep compiled modules per node and pause the garbage collector until ``finish``."""
+    so it may keep compiled modules per node and pause the garbage collector until ``finish``.
 
-    def __init__(self, args: DeploymentArgs, timer: PhaseTimer, *, own_process: bool = False):
+    A tensor-parallel replica (``args.tp`` = N > 1) is N processes: rank 0, the replica itself,
+    whose first step starts the other ranks (``deployments.server.ranks``), and ranks 1..N-1,
+    each running this same start with its ``rank`` and rank 0's ``rendezvous`` address up to its
+    ``ModelRunner`` (``runner``); rank 0's engine then drives theirs (``deployments.engine.mirror``).
+    Every rank loads only its own file of the split pack, and joins the model's process group
+    (``tp_group``) before it builds its part of the model."""
+
+    def __init__(self, args: DeploymentArgs, timer: PhaseTimer, *, own_process: bool = False, rank: int = 0,
+                 rendezvous: str | None = None):
         self.args, self.timer, self.own_process = args, timer, own_process
         self.path = args.model_path()
+        self.rank, self.tp, self.leader = rank, args.tp, rank == 0
+        self.rendezvous = rendezvous  # tcp://host:port of rank 0's process-group store (tp > 1)
+        self.weights_dir = self.path if self.tp == 1 else self.path / rank_dir(rank)  # this rank's model.cst
+        self.ranks: Any = None  # rank 0: the other ranks (deployments.server.ranks.Ranks)
+        self.group: Any = None  # the model's torch.distributed group (tp > 1)
+        self.channel: Any = None  # rank 0's calls to the other ranks (deployments.engine.mirror.Channel)
+        self.runner: Any = None  # another rank's ModelRunner, which rank 0's engine drives
         self.opts = args.load
         self.device: Any = None
         self.pending: Any = None  # the load under way (weights.loader.PendingLoad)
@@ -59,16 +75,23 @@ class Start:
         self.side: dict[str, Any] = {}  # the side threads' tasks (deployments.startup.side.SideTask)
 
     def steps(self) -> list[Step]:
+        split = self.tp > 1
+        lead = self.leader
         return [
+            Step("ranks", self.launch_ranks, lambda: lead and split),  # the other ranks start beside this one
             Step("imports", self.imports),            # trickle, side threads, torch and the engine's modules
             Step("context", self.context),            # the device, its preflight checks and its CUDA context
+            Step("tp_group", self.join_group, lambda: split),  # every rank joins the model's process group
             Step("load_start", self.start_load),      # one device buffer and its views; the reads begin (or wait)
             Step("load_first", self.wait_for_weights, lambda: not self.overlap),  # a model built after its load
             Step("engine_model", self.build_model),   # the decoder over the buffer's views, its kernels chosen
-            Step("engine_tokenizer", self.read_tokenizer),
-            Step("engine_kv_cache", self.make_engine),
-            Step("engine_graphs", self.start_engine),  # first launches, graph capture, first prefills
-            Step("load_wait", self.wait_for_weights, lambda: self.loaded is None),  # what the build did not hide
+            Step("engine_tokenizer", self.read_tokenizer, lambda: lead),
+            Step("engine_kv_cache", self.make_engine),  # rank 0: the engine; another rank: its runner
+            Step("load_release", self.release_load, lambda: not lead and self.loaded is None),  # (another rank ends)
+            Step("ranks_ready", self.ranks_ready, lambda: lead and split),  # theirs built; they follow rank 0
+            Step("engine_graphs", self.start_engine, lambda: lead),  # first launches, graph capture, first prefills
+            Step("load_wait", self.wait_for_weights, lambda: lead and self.loaded is None),  # what the build did not hide
+            Step("ranks_loaded", self.ranks_loaded, lambda: lead and split),  # every rank's weights arrived and checked
         ]
 
     def run(self) -> "Start":
@@ -84,7 +107,7 @@ class Start:
         except BaseException:
             self.abort()
             raise
-        self.timer.record("engine", sum(self.timer.get(n).seconds for n in
+        self.timer.record("engine", sum(p.seconds for p in self.timer.phases if p.name in
                                         ("engine_model", "engine_tokenizer", "engine_kv_cache", "engine_graphs")))
         self.timer.record("constructor", time.perf_counter() - t0)
         return self
@@ -107,9 +130,11 @@ class Start:
             self.pending.cancel()
             with contextlib.suppress(BaseException):
                 self.pending.wait()
-        stop_trickle(self.path)
+        stop_trickle(self.weights_dir)
         if self.engine is not None:
             self.engine.shutdown()
+        if self.ranks is not None:
+            self.ranks.shutdown()
         early.resume_gc(freeze=False)
 
     # ---------------------------------------------------------------- steps
@@ -139,12 +164,12 @@ class Start:
         """Read weights that are mostly not in the page cache one piece at a time from now on
         (``load.trickle``; O_DIRECT reads would not use what it read)."""
         o = self.opts
-        if not o.trickle or o.direct_io or o.cold_direct_io or not is_cold(self.path):
+        if not o.trickle or o.direct_io or o.cold_direct_io or not is_cold(self.weights_dir):
             return False
-        started = trickle(self.path, o.trickle_read_bytes) is not None
+        started = trickle(self.weights_dir, o.trickle_read_bytes) is not None
         if started:
             log.info("%s: weights not in the page cache; reading them one piece at a time until the engine "
-                     "is built", self.path)
+                     "is built", self.weights_dir)
         return started
 
     def context(self) -> None:
@@ -164,16 +189,10 @@ class Start:
     def start_load(self) -> None:
         from deployments.model import is_native
         from weights import loader
-        if not (self.path / "model.cst").is_file():
-            from weights.tp import is_split_pack, split_pack_error
-            if is_split_pack(self.path):  # served by a tensor-parallel group, not one replica process
-                raise split_pack_error(self.path)
-            raise FileNotFoundError(
-                f"{self.path}: no packed model here (model.cst missing); make one with `coldstart pack HF_DIR "
-                f"{self.path}`, or run `coldstart serve` for the demo")
+        check_pack(self.path, self.tp)
         self._t_load = time.perf_counter()
-        self.pending = loader.start_load(self.path, self.device, options=self.opts, timer=self.timer,
-                                         hold=self.trickling)
+        self.pending = loader.start_load(self.path, self.device, rank=self.rank if self.tp > 1 else None,
+                                         options=self.opts, timer=self.timer, hold=self.trickling)
         native = is_native(self.pending.config)
         # transformers' classes may copy the weights as they take them: only a native model is
         # built beside its load
@@ -196,7 +215,7 @@ class Start:
             t = time.perf_counter()
             triton.wait()
             self.timer.record("engine_model_triton_wait", time.perf_counter() - t)
-        self.model = build_model(self.pending.config, self.pending.tensors)
+        self.model = build_model(self.pending.config, self.pending.tensors, tp=self.group)
         for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's own steps
             self.timer.record(f"engine_model_{step}", seconds)
 
@@ -205,8 +224,79 @@ class Start:
         self.tokenizer = Tokenizer.from_dir(self.path)
 
     def make_engine(self) -> None:
+        if not self.leader:
+            from deployments.engine.runner import ModelRunner
+            self.runner = ModelRunner(self.model, self.args.engine.resolved(self.model.max_position_embeddings))
+            return
         from deployments.engine.engine import Engine
-        self.engine = Engine(self.model, self.tokenizer, self.args.engine)
+        self.engine = Engine(self.model, self.tokenizer, self.args.engine, channel=self.channel)
 
     def start_engine(self) -> None:
         self.engine.start()
+
+    # ---------------------------------------------------------------- a tensor-parallel replica's steps
+    def launch_ranks(self) -> None:
+        from deployments.server.ranks import Ranks
+        check_pack(self.path, self.tp)  # before N-1 processes start for nothing
+        self.ranks = Ranks.launch(self.args, type(self))
+        self.rendezvous = self.ranks.rendezvous
+
+    def join_group(self) -> None:
+        """Join the model's process group (NCCL on GPUs, gloo on the CPU) and rank 0's channel; on
+        a GPU one all-reduce now, so the communicator exists before any graph capture."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from deployments.engine.mirror import Channel
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=self.rendezvous, world_size=self.tp,
+                                rank=self.rank, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        self.group = dist.group.WORLD
+        self.channel = Channel.new()
+        if cuda:
+            with self.timer.phase("tp_group_first_all_reduce"):
+                dist.all_reduce(torch.zeros(1, device=self.device))
+                torch.cuda.synchronize(self.device)
+
+    def release_load(self) -> None:
+        """Another rank: its bulk read, held while it built, goes on while it follows rank 0's
+        graph captures; rank 0 waits for it at ``ranks_loaded``."""
+        self.pending.release()
+
+    def ranks_ready(self) -> None:
+        self.ranks.ready(self.timer)
+
+    def ranks_loaded(self) -> None:
+        """Every other rank waits for its weights (each file checked as it arrives); the first
+        that failed fails the start, naming its rank."""
+        self.channel.send(("load_wait", ()))
+        self.ranks.loaded(self.channel.gather(None))
+
+
+JOIN_TIMEOUT_S = 300  # how long a rank waits for the others to join the model's group
+
+
+def check_pack(path: Any, tp: int) -> None:
+    """``path`` holds a packed model for ``tp`` ranks: one model.cst, or a split pack of exactly
+    ``tp`` ranks; otherwise an error saying what is there and what to do."""
+    from weights.tp import is_split_pack, read_manifest
+    if is_split_pack(path):
+        size = read_manifest(path)["size"]
+        if tp == 1:
+            raise ValueError(f"{path} is split over {size} ranks (`coldstart pack --tp {size}`): set args.tp to "
+                             f"{size} to serve it over {size} GPUs, or pack the source again without --tp")
+        if size != tp:
+            raise ValueError(f"args.tp is {tp}, but {path} is split over {size} ranks: set args.tp to {size}, or "
+                             f"pack the model again with `coldstart pack SRC {path} --tp {tp} --force`")
+        return
+    if not (path / "model.cst").is_file():
+        raise FileNotFoundError(
+            f"{path}: no packed model here (model.cst missing); make one with `coldstart pack HF_DIR "
+            f"{path}`, or run `coldstart serve` for the demo")
+    if tp > 1:
+        raise ValueError(f"args.tp is {tp}, but {path} is one unsplit model: pack it for {tp} ranks with "
+                         f"`coldstart pack SRC DEST --tp {tp}`, or set args.tp to 1")

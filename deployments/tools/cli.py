@@ -96,25 +96,62 @@ def ensure_demo(dest: Path = DEMO_DIR, shape: str = "tiny") -> Path:
 APP_IMPORT_PATH = "deployments.app:build_app"
 
 
-def derived_config(config_text: str, gpus: float | None = None, model: str | Path | None = None) -> str:
-    """The serve config with ``num_gpus`` set for every deployment's replicas (``gpus``) and
-    ``args.model`` set for every coldstart application (``model``); the rest as it was."""
+def derived_config(config_text: str, gpus: float | None = None, model: str | Path | None = None,
+                   tp: int | None = None) -> str:
+    """The serve config with ``num_gpus`` set for every deployment's replicas (``gpus``),
+    ``args.model`` set for every coldstart application (``model``), and ``args.tp`` with the
+    placement group it needs (``tp``: N bundles, each the replica's own resources; one node); the
+    rest as it was."""
     import yaml
     cfg = yaml.safe_load(config_text) or {}
     apps = cfg.get("applications") or []
-    if model is not None:
-        ours = [app for app in apps if app.get("import_path") == APP_IMPORT_PATH]
-        if not ours:
-            raise ValueError(f"the config has no application with import_path {APP_IMPORT_PATH}: "
-                             "nothing to point at the model")
-        for app in ours:
+    ours = [app for app in apps if app.get("import_path") == APP_IMPORT_PATH]
+    if (model is not None or tp is not None) and not ours:
+        raise ValueError(f"the config has no application with import_path {APP_IMPORT_PATH}: "
+                         "nothing to point at the model")
+    for app in ours:
+        if model is not None:
             app["args"] = {**(app.get("args") or {}), "model": str(model)}
-    if gpus is not None:
-        for app in apps:
-            for dep in app.get("deployments") or []:
+        if tp is not None:
+            app["args"] = {**(app.get("args") or {}), "tp": tp}
+    for app in apps:
+        for dep in app.get("deployments") or []:
+            if gpus is not None:
                 # `ray_actor_options:` left empty in YAML is None: replace it, don't drop the setting
                 dep["ray_actor_options"] = {**(dep.get("ray_actor_options") or {}), "num_gpus": gpus}
+            if tp is not None and app in ours:
+                if tp == 1:
+                    dep.pop("placement_group_bundles", None)
+                    dep.pop("placement_group_strategy", None)
+                    continue
+                opts = dep.get("ray_actor_options") or {}
+                bundle = {"CPU": float(opts.get("num_cpus", 1))}
+                if opts.get("num_gpus"):
+                    bundle["GPU"] = float(opts["num_gpus"])
+                dep["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+                dep["placement_group_strategy"] = "STRICT_PACK"
     return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def model_to_serve(path: str | Path, tp: int | None) -> tuple[Path, int | None]:
+    """``path`` as an absolute packed model directory and the ranks it is served on (None: as the
+    config says, one), checked before Ray starts: one model (``packed_model``), or a split pack
+    whose every rank's file reads (served over as many ranks; ``tp``, where given, must agree)."""
+    from weights.format import read_packed
+    from weights.tp import is_split_pack, rank_path, read_manifest
+    p = Path(path).expanduser().resolve()
+    if not is_split_pack(p):
+        packed_model(p)
+        if tp not in (None, 1):
+            raise ValueError(f"--tp {tp}: {p} is one unsplit model; pack it for {tp} ranks with "
+                             f"`coldstart pack SRC DEST --tp {tp}`, or leave --tp out")
+        return p, tp
+    size = read_manifest(p)["size"]
+    if tp is not None and tp != size:
+        raise ValueError(f"--tp {tp}: {p} is split over {size} ranks; leave --tp out (it is read from the pack)")
+    for k in range(size):
+        read_packed(rank_path(p, k))
+    return p, size
 
 
 def packed_model(path: str | Path) -> Path:
@@ -162,18 +199,21 @@ def check_config(path: str) -> None:
 def _cmd_serve(a: argparse.Namespace) -> int:
     if a.gpus is not None and not a.gpus >= 0:
         raise ValueError(f"--gpus {a.gpus}: give the GPUs per replica, 0 or more (0.5 shares a GPU)")
-    model = packed_model(a.model) if a.model else None
+    if a.tp is not None and a.tp < 1:
+        raise ValueError(f"--tp {a.tp}: give the tensor-parallel ranks per replica, 1 or more")
+    model, tp = model_to_serve(a.model, a.tp) if a.model else (None, a.tp)
     check_config(a.config)
     if model is None:
         ensure_demo()
     serve = _serve_executable()
     config = a.config
-    if a.gpus is not None or model is not None:
+    if a.gpus is not None or model is not None or tp is not None:
         # a derived copy: relative paths in it are taken from here (cwd), as the original's
         derived = Path(tempfile.gettempdir()) / f"coldstart-serve-{os.getpid()}.yaml"
-        derived.write_text(derived_config(Path(a.config).read_text(), a.gpus, model))
+        derived.write_text(derived_config(Path(a.config).read_text(), a.gpus, model, tp))
         changes = ", ".join(c for c in (a.gpus is not None and f"num_gpus={a.gpus} per replica",
-                                        model is not None and f"args.model={model}") if c)
+                                        model is not None and f"args.model={model}",
+                                        tp is not None and f"args.tp={tp}") if c)
         print(f"{a.config} with {changes}: {derived}", flush=True)
         config = str(derived)
     cmd = [serve, "run", config, *a.serve_args]
@@ -305,7 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=float, default=None,
                    help="GPUs per replica (the default config asks for none: CPU)")
     p.add_argument("--model", metavar="DIR",
-                   help="a packed model directory to serve instead of the config's args.model")
+                   help="a packed model directory to serve instead of the config's args.model (a split "
+                        "pack is served over its ranks)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks per replica (one GPU each, one node); read from a split "
+                        "pack given with --model")
     p.add_argument("config", nargs="?", default="serve_config.yaml")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.set_defaults(fn=_cmd_serve)
