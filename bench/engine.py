@@ -32,6 +32,8 @@ import torch  # noqa: E402
 from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from deployments.engine.warmup import WarmupPlan, run_warmup  # noqa: E402
 from deployments.model import build_model  # noqa: E402
+from weights.demo import SHAPES, config_dict  # noqa: E402
+from weights.tp import layout, rank_config, shard_shape  # noqa: E402
 
 RANDOM_CONFIGS = {
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -41,6 +43,8 @@ RANDOM_CONFIGS = {
                       rope_theta=500000.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024),
+    # the tensor-parallel subjects, as `coldstart demo` makes them
+    **{name: config_dict(SHAPES[name]) for name in ("llama2-13b", "llama3-70b")},
 }
 
 
@@ -53,6 +57,8 @@ def load_tensors(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     """(config dict, tensors dict): the boundary the project loader (`weights.load`) also returns."""
     if args.random:
         cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **RANDOM_CONFIGS[args.random]}
+        if args.layers:
+            cfg["num_hidden_layers"] = args.layers
         hd = cfg["hidden_size"] // cfg["num_attention_heads"]
         shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], cfg["hidden_size"]),
                   "model.norm.weight": (cfg["hidden_size"],),
@@ -65,6 +71,10 @@ def load_tensors(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                        p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
                        p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
                        p + "post_attention_layernorm.weight": (D,)}
+        if args.tp_rank:  # one rank's part (the same sizes on every rank): a one-device model of them
+            lay = layout(cfg, args.tp_rank)
+            shapes = {k: shard_shape(k, v, lay) for k, v in shapes.items()}
+            cfg = rank_config(cfg, args.tp_rank)
         g = torch.Generator(device=device).manual_seed(0)
         tensors = {}
         for k, s in shapes.items():
@@ -140,6 +150,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="packed directory or HF safetensors directory")
     ap.add_argument("--random", choices=sorted(RANDOM_CONFIGS), help="random weights of this shape instead")
+    ap.add_argument("--layers", type=int, help="with --random: this many of the shape's layers")
+    ap.add_argument("--tp-rank", type=int, metavar="N",
+                    help="with --random: one rank's part of the model split over N (its decode step, without "
+                         "the ranks' all-reduce: what a tensor-parallel step costs less its collectives)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--out", type=Path, help="write the JSON results here")
@@ -161,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                 "dtype": args.dtype, "torch": torch.__version__}
+                 "dtype": args.dtype, "torch": torch.__version__,
+                 **({"random": args.random, "layers": args.layers, "tp_rank": args.tp_rank} if args.random else {})}
 
     res["import_s"] = import_seconds()
     sync(device)

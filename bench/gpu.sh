@@ -3,6 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
+#         tp-rank tp-serve
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -78,6 +79,17 @@ for stage in "$@"; do
              grep -hE "^(decode_ms_per_token_b1|tokens_per_s_b(1|16)|capture_warmup_s) " "$out/engine-after.log" | sed "s/^/after  /"
              python3 bench/load.py --out "$out/before" --warm-only --repeats 5 --tree "$B" 2>&1 | tail -1
              python3 bench/load.py --out "$out/after" --warm-only --repeats 5 2>&1 | tail -1; (exit $((r1 | r2))) ;;
+    tp-rank) # one GPU: rank 0 of a 70B-shaped TP=4 split pack (TP_LAYERS of its 80 layers, to fit the
+             # disk), loaded warm and cold; and a whole rank's batch-1 decode step, the all-reduce left out
+             python3 bench/tp.py rank-load --out "$out" --layers ${TP_LAYERS:-20} 2>&1 | tail -12
+             rm -rf $W/llama3-70b-tp4-*  # (tens of GB: the next stages need the disk)
+             python3 bench/engine.py --random llama3-70b --tp-rank 4 --max-seq-len 4096 --no-hf \
+               --out "$out/engine-tp4-rank.json" 2>&1 | grep -E "^(weight_gb|decode_ms_per_token_b1|tokens_per_s_b(1|16)) " ;;
+    tp-serve) # several GPUs: a 13B-shaped TP=2 replica, and where there are 4 GPUs a 70B-shaped TP=4 one
+             n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+             python3 bench/tp.py serve --out "$out" --shape llama2-13b --tp 2 2>&1 | tail -8; r=$?
+             if [ "$n" -ge 4 ]; then python3 bench/tp.py serve --out "$out" --shape llama3-70b --tp 4 2>&1 | tail -8
+               r=$((r | $?)); fi; (exit $r) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }

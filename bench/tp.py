@@ -1,0 +1,151 @@
+"""Tensor parallelism's figures: a rank's load on one GPU, and a tensor-parallel replica on several.
+
+Run on the GPU machine from the repository root:
+
+    PYTHONPATH=$PWD python bench/tp.py rank-load --out OUT [--layers 20]
+    PYTHONPATH=$PWD python bench/tp.py serve --out OUT --shape llama3-70b --tp 4 [--layers 80]
+
+rank-load (one GPU): a Llama-3-70B-shaped pack split over 4 ranks, written directly on the GPU
+(`coldstart demo --shape llama3-70b --tp 4 --layers L`; all four ranks of the 80 layers are
+141 GB, so L fits the disk), and rank 0's file loaded the way a rank loads it
+(`weights.load(DEST/rank-0)`, every checksum checked), in a fresh process each time:
+`--repeats` times from a warm page cache, and `--cold-pairs` times from a dropped one, each right
+after the disk's own rate read from the same file (bench/load.py's probes; the shared disk's
+rate drifts). The decode step of a whole rank is `bench/engine.py --random llama3-70b --tp-rank 4`.
+
+serve (N GPUs): the split pack's replica deployed with the options `deployments.app.build_app`
+gives `tp` N (N bundles of a GPU each, STRICT_PACK) and serve_config.yaml's warm-up, timed from the controller adding
+the replica to RUNNING as bench/serve.py times every replica (`--repeat` rounds, page cache warm);
+its ranks' start phases from /stats; then batch-1 decode through HTTP, ms per token after the
+first (128 greedy tokens; the replica's x-coldstart-ttft-s header splits off the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.load import drop_caches, run, warm_cache  # noqa: E402
+
+
+def split_pack(work: Path, shape: str, tp: int, layers: int | None, device: str = "cuda") -> tuple[Path, dict]:
+    """The random split pack under ``work`` (made on the GPU once) and how long making it took."""
+    from weights import make_demo
+    dest = work / (f"{shape}-tp{tp}" + (f"-{layers}l" if layers else ""))
+    prep: dict = {}
+    if not (dest / "tp.json").exists():
+        t0 = time.perf_counter()
+        make_demo(dest, shape, device=device, tp=tp, layers=layers, force=True)
+        prep["demo_s"] = time.perf_counter() - t0
+    return dest, prep
+
+
+def rank_load(a: argparse.Namespace) -> dict:
+    dest, prep = split_pack(Path(a.work), "llama3-70b", 4, a.layers)
+    rank0 = dest / "rank-0"
+    res: dict = {"pack": str(dest), "prep": prep, "rank_file_GB": (rank0 / "model.cst").stat().st_size / 1e9}
+    print(f"rank 0 of {dest}: {res['rank_file_GB']:.1f} GB", flush=True)
+    warm_cache(rank0)
+    res["warm"] = [run("ours", str(rank0), "{}") for _ in range(a.repeats)]
+    res["cold_pairs"] = []
+    for _ in range(a.cold_pairs):
+        d = run("disk", str(rank0), "16", cold=True)
+        o = run("ours", str(rank0), "{}", cold=True)
+        res["cold_pairs"].append({"disk": d, "ours": o, "ratio": o["GBps"] / d["GBps"]})
+    res["summary"] = {
+        "rank_file_GB": res["rank_file_GB"],
+        "warm_GBps": statistics.median(r["GBps"] for r in res["warm"]),
+        "warm_runs_GBps": [r["GBps"] for r in res["warm"]],
+        "cold_GBps": statistics.median(p["ours"]["GBps"] for p in res["cold_pairs"]),
+        "disk_GBps": statistics.median(p["disk"]["GBps"] for p in res["cold_pairs"]),
+        "cold_vs_disk": statistics.median(p["ratio"] for p in res["cold_pairs"]),
+        "cold_vs_disk_pairs": [p["ratio"] for p in res["cold_pairs"]],
+    }
+    return res
+
+
+def serve_tp(a: argparse.Namespace) -> dict:
+    import httpx
+    import ray
+    from ray import serve
+
+    from bench.serve import BASE, CONFIG_ENV, ENV, WARMUP, measure
+    from deployments.app import LLMDeployment
+    from deployments.config import DeploymentArgs
+    dest, prep = split_pack(Path(a.work), a.shape, a.tp, a.layers, a.device)
+    res: dict = {"pack": str(dest), "prep": prep, "tp": a.tp, "rounds": []}
+    ray.init(runtime_env={"env_vars": {**ENV, **CONFIG_ENV}}, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000})
+    args = {"model": str(dest), "tp": a.tp, "device": a.device,
+            "engine": {"max_slots": 16, "max_seq_len": 4096 if a.device == "cuda" else 256}}
+    # the options build_app gives a tensor-parallel replica, with serve_config.yaml's warm-up
+    dep = LLMDeployment.options(placement_group_bundles=DeploymentArgs(**args).bundles(),
+                                placement_group_strategy="STRICT_PACK",
+                                ray_actor_options={"num_cpus": 1, "num_gpus": int(a.device == "cuda")},
+                                user_config=WARMUP)
+    body = {"prompt": "The answer is ", "max_new_tokens": 16, "temperature": 0}
+    try:
+        for k in range(a.repeat):
+            warm_cache(dest)
+            for r in sorted(dest.glob("rank-*")):
+                warm_cache(r)
+            # (measure deletes the application after its first answer and its /stats)
+            r = measure(f"coldstart-tp{a.tp}", dep.bind(**args), "/generate", body)
+            res["rounds"].append(r)
+        serve.run(dep.bind(**args), name="tp-decode", route_prefix="/tp-decode")
+        stats = httpx.get(f"{BASE}/tp-decode/stats", timeout=30).json()
+        res["ranks"] = stats.get("ranks")
+        per_token = []
+        for _ in range(5):
+            t = time.perf_counter()
+            resp = httpx.post(f"{BASE}/tp-decode/generate", timeout=300,
+                              json={"prompt": "The answer is ", "max_new_tokens": 128, "temperature": 0,
+                                    "ignore_eos": True})
+            wall = time.perf_counter() - t
+            resp.raise_for_status()
+            ttft = float(resp.headers["x-coldstart-ttft-s"])
+            n = resp.json()["usage"]["completion_tokens"]
+            per_token.append((wall - ttft) / (n - 1) * 1e3)
+        res["decode_ms_per_token_b1_http"] = per_token
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    starts = [r["start_to_running_s"] for r in res["rounds"] if "start_to_running_s" in r]
+    res["summary"] = {"start_to_running_s": statistics.median(starts) if starts else None,
+                      "start_runs_s": starts,
+                      "decode_ms_per_token_b1": statistics.median(res["decode_ms_per_token_b1_http"])}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["rank-load", "serve"])
+    ap.add_argument("--work", default="/tmp/coldstart-bench")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--layers", type=int, help="write only this many of the shape's layers (to fit the disk)")
+    ap.add_argument("--repeats", type=int, default=3, help="rank-load: warm loads")
+    ap.add_argument("--cold-pairs", type=int, default=3, help="rank-load: cold loads, each after a disk read")
+    ap.add_argument("--shape", default="llama3-70b", help="serve: llama2-13b or llama3-70b")
+    ap.add_argument("--tp", type=int, default=4, help="serve: ranks per replica (GPUs)")
+    ap.add_argument("--repeat", type=int, default=3, help="serve: deploys, each timed")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="serve: cpu checks the script")
+    a = ap.parse_args()
+    if a.what == "rank-load" and not drop_caches():
+        print("the cold figures below are warm: the page cache could not be dropped", flush=True)
+    res = rank_load(a) if a.what == "rank-load" else serve_tp(a)
+    res["command"] = "PYTHONPATH=$PWD python bench/tp.py " + " ".join(sys.argv[1:])
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "tp-rank-load.json" if a.what == "rank-load" else f"tp-serve-{a.shape}-tp{a.tp}.json"
+    (out / name).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
