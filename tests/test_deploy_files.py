@@ -197,9 +197,20 @@ def _node_types() -> tuple[dict, dict]:
     types = CLUSTER["available_node_types"]
     head = types[CLUSTER["head_node_type"]]
     gpu = [t for name, t in types.items() if name != CLUSTER["head_node_type"]
-           and t["resources"].get("GPU", 0) > 0]
-    assert len(gpu) == 1, "one GPU worker type"
+           and t["resources"].get("GPU", 0) == 1]
+    assert len(gpu) == 1, "one worker type of one GPU (serve_config.gpu.yaml's replicas)"
     return head, gpu[0]
+
+
+def test_cluster_tensor_parallel_workers_start_only_for_a_split_model():
+    types = CLUSTER["available_node_types"]
+    (tp,) = [t for t in types.values() if t["resources"].get("GPU", 0) > 1]
+    n = tp["resources"]["GPU"]
+    assert tp["min_workers"] == 0 and CLUSTER["max_workers"] >= tp["max_workers"] + _node_types()[1]["max_workers"]
+    setup = " ".join(tp["worker_setup_commands"])
+    model = next(c.split()[-1] for c in tp["worker_setup_commands"] if c.startswith("coldstart verify"))
+    assert model.endswith(f"-tp{n}") and model.split("/")[-1] in " ".join(tp["initialization_commands"])
+    assert f"--tp {n}" in setup and "--require-gpu" in setup
 
 
 def test_cluster_head_has_no_gpu_and_workers_get_gpus():
@@ -308,7 +319,7 @@ def test_rayservice_gpu_workers_and_weights_volume():
     assert head["rayStartParams"].get("num-gpus") == "0"
     for c in head["template"]["spec"]["containers"]:
         assert "nvidia.com/gpu" not in str(c.get("resources", {}))
-    (group,) = cluster["workerGroupSpecs"]
+    (group,) = [g for g in cluster["workerGroupSpecs"] if _pod_gpus(g) == 1]
     spec = group["template"]["spec"]
     worker = spec["containers"][0]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -329,6 +340,24 @@ def test_rayservice_gpu_workers_and_weights_volume():
         claim = volume["persistentVolumeClaim"]["claimName"]
         pvc = next(d for d in DOCS if d["kind"] == "PersistentVolumeClaim")
         assert pvc["metadata"]["name"] == claim and "ReadOnlyMany" in pvc["spec"]["accessModes"]
+
+
+def _pod_gpus(group: dict) -> int:
+    return group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_rayservice_tensor_parallel_pods_start_only_for_a_split_model():
+    cluster = RAYSERVICE["spec"]["rayClusterConfig"]
+    (group,) = [g for g in cluster["workerGroupSpecs"] if _pod_gpus(g) > 1]
+    n = _pod_gpus(group)
+    assert group["replicas"] == group["minReplicas"] == 0 < group["maxReplicas"]
+    spec = group["template"]["spec"]
+    (verify,) = spec["initContainers"]
+    assert verify["command"][:2] == ["coldstart", "verify"] and verify["command"][2].endswith(f"-tp{n}")
+    worker = spec["containers"][0]
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == n
+    assert "CUDA_VISIBLE_DEVICES" not in {e["name"] for e in worker.get("env", [])}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["volumeMounts"]
 
 
 # ------------------------------------------------------------------ Grafana

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = ["torch build", "nvidia driver", "cuda runtime", "cuda context", "visible gpu",
                "gpu memory", "env vars", "kernel cache", "compiled modules", "page cache", "read speed",
                "pinned h2d"]
+TP_CHECKS = ["tp gpus", "tp peer access", "tp group start"]  # with --tp N
 GPU_CHECKS = ["nvidia driver", "cuda runtime", "cuda context", "visible gpu", "gpu memory",
               "pinned h2d"]
 
@@ -371,9 +372,33 @@ def test_gpu_checks_run_on_a_gpu(model_dir):
     assert rc == (1 if report["summary"]["fail"] else 0)
 
 
+@cpu_only
+def test_tp_rows_check_the_gpus_and_start_a_group(capsys, model_dir):
+    """--tp 2 on a machine without a GPU: the GPU rows skip (fail with --require-gpu), and the
+    group's start is tried with gloo: two real processes join and all-reduce."""
+    rc, report = run_json(capsys, "--model", str(model_dir), "--read-gib", "0.001", "--tp", "2")
+    checks = by_name(report)
+    assert [c["check"] for c in report["checks"]] == CHECK_NAMES + TP_CHECKS and rc == 0
+    assert checks["tp gpus"]["status"] == checks["tp peer access"]["status"] == "skip"
+    group = checks["tp group start"]
+    assert group["status"] == "ok" and group["data"]["backend"] == "gloo", group
+    assert group["data"]["join_and_all_reduce_s"] > 0
+    rc, report = run_json(capsys, "--model", str(model_dir), "--read-gib", "0.001", "--tp", "2", "--require-gpu")
+    assert rc == 1 and all(by_name(report)[n]["status"] == "fail" for n in TP_CHECKS)
+    assert doctor.main(["--tp", "0"]) == 2 and "--tp" in capsys.readouterr().err
+
+
+def test_doctor_reads_every_rank_of_a_split_pack(capsys, tiny_hf, tmp_path):
+    from weights import PackOptions, pack
+    split = pack(tiny_hf, tmp_path / "split", PackOptions(tp=2, progress=False))
+    rc, report = run_json(capsys, "--model", str(split), "--read-gib", "0.001")
+    assert by_name(report)["page cache"]["data"]["files"] == [str(split / f"rank-{k}" / doctor.WEIGHTS_FILE)
+                                                             for k in (0, 1)]
+
+
 def test_operator_guide_covers_every_check():
     guide = (ROOT / "docs" / "operations.md").read_text()
-    missing = [name for name in CHECK_NAMES if f"| {name} |" not in guide]
+    missing = [name for name in CHECK_NAMES + TP_CHECKS if f"| {name} |" not in guide]
     assert not missing, f"docs/operations.md has no row for {missing}"
 
 

@@ -41,9 +41,12 @@ class DoctorOptions:
     threads: int = 8
     drop_cache: bool = False
     require_gpu: bool = False
+    tp: int = 1  # the tensor-parallel ranks a replica on this node would have (>1: the tp rows)
 
     def __post_init__(self) -> None:
         if not self.read_gib > 0:
             raise ValueError(f"--read-gib: expected a number of GiB > 0, got {self.read_gib}")
         if not 1 <= self.threads <= 256:
             raise ValueError(f"--threads: expected 1..256, got {self.threads}")
+        if not 1 <= self.tp <= 64:
+            raise ValueError(f"--tp: expected the ranks of a tensor-parallel replica, 1..64, got {self.tp}")

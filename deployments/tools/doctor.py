@@ -287,6 +287,11 @@ def run_checks(opts: DoctorOptions) -> list[Check]:
             "pass --model DIR to test a packed model's disk"
         results += [Check("page cache", status, why, action), Check("read speed", status, why, action)]
     guarded("pinned h2d", lambda: check_pinned_h2d(opts, torch))
+    if opts.tp > 1:
+        from deployments.tools import doctor_tp
+        guarded("tp gpus", lambda: doctor_tp.check_tp_gpus(opts, torch, _no_gpu))
+        guarded("tp peer access", lambda: doctor_tp.check_tp_peers(opts, torch, _no_gpu))
+        guarded("tp group start", lambda: doctor_tp.check_tp_group(opts, torch, _no_gpu))
     return results
 
 
@@ -331,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evict the model's clean pages first so the read test measures the disk")
     p.add_argument("--require-gpu", action="store_true",
                    help="fail, rather than skip, the GPU checks when no GPU is usable")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="also check this node for a tensor-parallel replica of N ranks: N GPUs, peer access "
+                        "between them, an NCCL group's start")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = DoctorOptions(model=args.model or Path(DEFAULT_MODEL_DIR),
                              model_given=args.model is not None, read_gib=args.read_gib,
                              threads=args.threads, drop_cache=args.drop_cache,
-                             require_gpu=args.require_gpu)
+                             require_gpu=args.require_gpu, tp=args.tp)
     except ValueError as e:
         print(f"coldstart doctor: {e}", file=sys.stderr)
         return 2

@@ -19,12 +19,16 @@ from weights.readahead import resident_bytes
 
 # ---------------------------------------------------------------- weights files
 def model_files(model: Path) -> list[Path]:
-    """The packed file if there is one, else every regular file under `model` (a file is itself)."""
+    """The packed file if there is one (a split pack's: every rank's), else every regular file under
+    `model` (a file is itself)."""
     if model.is_file():
         return [model]
     packed = model / WEIGHTS_FILE
     if packed.is_file():
         return [packed]
+    ranks = sorted(model.glob(f"rank-*/{WEIGHTS_FILE}"))  # a split pack: every rank's file
+    if ranks and (model / "tp.json").is_file():
+        return ranks
     return sorted(p for p in model.rglob("*") if p.is_file() and not p.is_symlink())
 
 
