@@ -137,3 +137,18 @@ def test_the_ready_line_points_at_the_configs_application():
     assert health_url(text.replace("route_prefix: /", "route_prefix: /llm").replace("port: 8000", "port: 9000")
                       .replace("host: 127.0.0.1", "host: 0.0.0.0")) == "http://127.0.0.1:9000/llm/health"
     assert health_url("applications:\n  - import_path: other:app\n") is None
+
+
+def test_serve_warns_where_autoscaling_works_against_a_replicas_slots(tmp_path):
+    from deployments.tools.cli import check_config
+    for shipped in ("serve_config.yaml", "serve_config.gpu.yaml"):
+        assert check_config(str(ROOT / shipped)) == []  # the project's own configs agree with their slots
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    dep = cfg["applications"][0]["deployments"][0]
+    dep["autoscaling_config"]["target_ongoing_requests"] = 20
+    dep["max_ongoing_requests"] = 4
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    notes = check_config(str(tmp_path / "c.yaml"))
+    assert len(notes) == 2, notes
+    assert "target_ongoing_requests 20 is above engine.max_slots 8" in notes[0]
+    assert "max_ongoing_requests 4 is below engine.max_slots 8: 4 of each replica's slots never fill" in notes[1]

@@ -90,6 +90,19 @@ def test_a_tensor_parallel_replica_generates_what_one_device_and_transformers_do
     assert not split.ranks.actors
 
 
+def test_a_tensor_parallel_replica_over_a_paged_cache_hands_every_rank_the_same_blocks(ray_instance, tmp_path):
+    """Rank 0's scheduler hands out the blocks; the other ranks' tables follow (mirrored), so the
+    tokens equal transformers' while requests wait for blocks and take freed ones."""
+    root, hf_tokens = _model(tmp_path, "llama-kv-split")
+    paged = {**ENGINE, "kv_cache": "paged", "kv_blocks": 6}  # 5 blocks of 16: the requests take turns
+    split = LLMServer(str(root / "tp2"), device="cpu", engine=paged, tp=2)
+    try:
+        assert _generate(split) == hf_tokens
+        assert split.engine.stats()["kv_blocks_free"] == 5
+    finally:
+        split.shutdown()
+
+
 @pytest.fixture(scope="module")
 def split_demo(tiny_hf, tmp_path_factory) -> Path:
     """The tiny demo (its tokenizer matches its vocabulary) split over 2 ranks."""

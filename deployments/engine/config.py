@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GiB = 1 << 30
@@ -15,6 +17,17 @@ class EngineConfig(BaseModel):
 
     max_slots: int = Field(8, gt=0)
     """Sequences decoded at once (KV-cache slots); requests beyond them wait in the engine."""
+    kv_cache: Literal["static", "paged"] = "static"
+    """static: max_slots x max_seq_len positions reserved at start. paged: keys and values in
+    blocks of kv_block_size positions, as many as the device's free memory holds beside
+    reserve_bytes (kv_blocks sets the number); a request holds the blocks of its prompt +
+    max_new_tokens from its admission to its end and waits in the queue while they are not
+    free, so max_slots bounds only the decode batch (native decoders; others stay static)."""
+    kv_block_size: int = Field(16, ge=16)
+    """Positions per block of the paged cache (a power of two)."""
+    kv_blocks: int | None = Field(None, ge=2)
+    """Blocks of the paged cache, the null block included; default: what free device memory holds
+    beside reserve_bytes (on the CPU: max_slots x max_seq_len positions' worth)."""
     max_seq_len: int | None = Field(None, ge=2)
     """Prompt + generated tokens per sequence; default min(the model's max_position_embeddings, 4096)."""
     prefill_chunk: int = Field(512, gt=0)
@@ -45,6 +58,8 @@ class EngineConfig(BaseModel):
             v = getattr(self, name)
             if v is not None and (not v or min(v) <= 0):
                 raise ValueError(f"{name} must be a non-empty list of positive ints, got {v}")
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
         if self.graph_batch_sizes is not None and max(self.graph_batch_sizes) > self.max_slots:
             raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} has sizes above max_slots={self.max_slots}")
         return self
@@ -54,7 +69,7 @@ class EngineConfig(BaseModel):
         msl = self.max_seq_len or min(model_max_len, 4096)
         if msl > model_max_len:
             raise ValueError(f"engine.max_seq_len={msl} exceeds the model's max_position_embeddings={model_max_len}")
-        bs = sorted(set(self.graph_batch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < self.max_slots]))
+        bs = sorted(set(self.graph_batch_sizes or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < self.max_slots]))
         bs = sorted(set(bs) | {self.max_slots})  # the largest batch must always have a graph
         kv = sorted({min(b, msl) for b in (self.kv_len_buckets or (512, 2048))} | {msl})
         return self.model_copy(update={"max_seq_len": msl, "prefill_chunk": min(self.prefill_chunk, msl),

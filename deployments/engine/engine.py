@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import torch
 
+from deployments.engine.blocks import BlockPool
 from deployments.engine.config import EngineConfig, prefill_lengths
 from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
 from deployments.engine.runner import ModelRunner, bucket
@@ -60,7 +61,10 @@ class Engine:
         if channel is not None:
             from deployments.engine.mirror import Mirrored
             self.runner = Mirrored(self.runner, channel)
-        self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot)
+        cache = self.runner.cache
+        self.blocks = BlockPool(cache.num_blocks, cache.block_size) if getattr(cache, "paged", False) else None
+        self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot, self.blocks, self.runner.assign,
+                                   self._release)
         self.capture_lock = self.runner.capture_lock
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -116,6 +120,8 @@ class Engine:
         if total > self.config.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                              f"exceeds max_seq_len={self.config.max_seq_len}")
+        if self.blocks is not None:
+            self.blocks.check(len(prompt), params.max_new_tokens)
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs text, but this engine was built without a tokenizer")
         handle = RequestHandle(next(self._ids), len(prompt), self._wake)
@@ -147,8 +153,10 @@ class Engine:
     def stats(self) -> dict:
         s, r = self.scheduler, self.runner
         late = dict(r.stats["late_captures"])  # (a copy: the loop thread adds to it)
+        kv = {} if self.blocks is None else {"kv_blocks": self.blocks.capacity, "kv_blocks_free": self.blocks.free,
+                                             "kv_block_size": self.blocks.block_size}
         return {"running": len(s.prefilling) + len(s.decoding), "waiting": s.waiting_count(),
-                "free_slots": len(s.free), "graphs": r.graphs(), "graphs_deferred": len(r.deferred),
+                "free_slots": len(s.free), **kv, "graphs": r.graphs(), "graphs_deferred": len(r.deferred),
                 **s.counts, **self._stats, **r.stats, "late_captures": late,
                 "late_capture_s": sum(ms for ms, _ in late.values()) / 1e3}
 
@@ -201,6 +209,12 @@ class Engine:
         is healthy (after a device error, or from ``shutdown``, nothing more is launched)."""
         if self.error is None and threading.current_thread() is self._thread:
             self.runner.zero_slot(slot, min(upto, self.config.max_seq_len))
+
+    def _release(self, slot: int, blocks: list[int]) -> None:
+        """A paged cache's blocks back from a retired sequence (as ``_zero_slot``: only from a
+        healthy loop thread; the pool takes them back whatever happens here)."""
+        if self.error is None and threading.current_thread() is self._thread:
+            self.runner.release(slot, blocks)
 
     def _prefill_turn(self) -> None:
         s, r = self.scheduler, self.runner

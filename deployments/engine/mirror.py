@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 # the runner's calls that run the model or change its state; anything else (stats, attributes)
 # is rank 0's own
-CALLS = ("capture", "first_prefills", "prefill", "prefill_group", "decode", "zero_slot", "capture_late")
+CALLS = ("capture", "first_prefills", "prefill", "prefill_group", "decode", "zero_slot", "capture_late", "assign",
+         "release")
 # a rank waiting for rank 0's next call may wait as long as the replica is idle
 IDLE = datetime.timedelta(days=365)
 

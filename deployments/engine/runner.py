@@ -52,13 +52,12 @@ class ModelRunner:
     def __init__(self, model: Any, cfg: EngineConfig):
         self.model, self.cfg = model, cfg
         self.device = model.device
-        need = model.cache_bytes(cfg.max_slots, cfg.max_seq_len)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            check_fits(need, cfg, free, total, str(self.device))
-        log.info("KV cache: %.2f GiB for %d slots x %d tokens", need / GiB, cfg.max_slots, cfg.max_seq_len)
         model.setup_rope(cfg.max_seq_len)
-        self.cache = model.new_cache(cfg.max_slots, cfg.max_seq_len)
+        paged = cfg.kv_cache == "paged"
+        if paged and not getattr(model, "supports_paged_cache", False):
+            log.warning("engine.kv_cache paged: %s has no paged cache; a static one instead", type(model).__name__)
+            paged = False
+        self.cache = self._paged_cache() if paged else self._static_cache()
         # decode inputs: rows = token, position, valid; one host->device copy per step
         self._inp = torch.zeros(3, cfg.max_slots, dtype=torch.int64, device=self.device)
         self._stage = torch.zeros(3, cfg.max_slots, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -82,6 +81,47 @@ class ModelRunner:
         self._logit_rows = max(1, cfg.prefill_chunk // 16)
         self.stats: dict[str, Any] = {"capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
                                       "late_captures": {}}
+
+    def _static_cache(self) -> Any:
+        cfg, model = self.cfg, self.model
+        need = model.cache_bytes(cfg.max_slots, cfg.max_seq_len)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            check_fits(need, cfg, free, total, str(self.device))
+        log.info("KV cache: %.2f GiB for %d slots x %d tokens", need / GiB, cfg.max_slots, cfg.max_seq_len)
+        return model.new_cache(cfg.max_slots, cfg.max_seq_len)
+
+    def _paged_cache(self) -> Any:
+        """As many blocks as engine.kv_blocks says, else as the device's free memory holds beside
+        reserve_bytes (on the CPU: max_slots x max_seq_len positions' worth, and the null block)."""
+        cfg, model = self.cfg, self.model
+        bs, per = cfg.kv_block_size, model.cache_block_bytes(cfg.kv_block_size)
+        n = cfg.kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            if n is None:
+                n = max(0, free - cfg.reserve_bytes) // per
+                if n < 2:
+                    raise ValueError(f"a paged KV cache needs 2 blocks of {per / 2**20:.1f} MiB beside "
+                                     f"{cfg.reserve_bytes / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of "
+                                     f"{total / GiB:.2f} GiB is free on {self.device}; lower engine.reserve_bytes")
+            elif n * per + cfg.reserve_bytes > free:
+                raise ValueError(f"engine.kv_blocks={n} needs {n * per / GiB:.2f} GiB plus {cfg.reserve_bytes / GiB:.2f} "
+                                 f"GiB reserve, but only {free / GiB:.2f} GiB of {total / GiB:.2f} GiB is free on "
+                                 f"{self.device}; lower engine.kv_blocks (or leave it out: the free memory decides)")
+        elif n is None:
+            n = cfg.max_slots * -(-cfg.max_seq_len // bs) + 1
+        log.info("KV cache: %.2f GiB, %d blocks of %d positions (%d positions), for up to %d sequences",
+                 n * per / GiB, n, bs, (n - 1) * bs, cfg.max_slots)
+        return model.new_paged_cache(n, bs, cfg.max_slots, cfg.max_seq_len)
+
+    def assign(self, slot: int, blocks: list[int]) -> None:
+        """A paged cache: ``slot``'s sequence now owns ``blocks`` (the scheduler's admission)."""
+        self.cache.assign(slot, blocks)
+
+    def release(self, slot: int, blocks: list[int]) -> None:
+        """A paged cache: ``slot``'s sequence ended; its blocks are zeroed and free again."""
+        self.cache.release(slot, blocks)
 
     # ---------------------------------------------------------------- forward calls
     def padded_len(self, n: int, start: int) -> int:

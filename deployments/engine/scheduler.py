@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from deployments.engine.blocks import BlockPool
 from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
 from deployments.engine.sampling import sample
 
@@ -45,12 +46,13 @@ class NonFiniteLogits(RuntimeError):
 class Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "prefilled", "pos", "written", "last", "n_gen", "text", "gen",
-                 "stops")
+    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "prefilled", "pos", "written", "last", "n_gen",
+                 "text", "gen", "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
         self.slot = -1
+        self.blocks: list[int] | None = None  # a paged cache's blocks it holds
         self.prefilled = 0  # prompt tokens in the cache
         self.pos = 0  # next cache position to write (tokens in the cache)
         self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
@@ -61,11 +63,17 @@ class Seq:
 
 class Scheduler:
     """Queues and slots of one engine. ``zero_slot(slot, upto)`` clears what a retired sequence
-    wrote in the cache (the engine passes the runner's, or nothing once the device failed)."""
+    wrote in the cache (the engine passes the runner's, or nothing once the device failed). With
+    a paged cache, ``pool`` holds its blocks: a waiting request is admitted once a slot and the
+    blocks of its prompt + max_new_tokens are free (``assign(slot, blocks)``), and gives them back
+    at its end (``release(slot, blocks)``, instead of ``zero_slot``)."""
 
-    def __init__(self, max_slots: int, device: torch.device, zero_slot: Callable[[int, int], None]):
+    def __init__(self, max_slots: int, device: torch.device, zero_slot: Callable[[int, int], None],
+                 pool: BlockPool | None = None, assign: Callable[[int, list[int]], None] | None = None,
+                 release: Callable[[int, list[int]], None] | None = None):
         self.device = device
         self._zero_slot = zero_slot
+        self.pool, self._assign, self._release = pool, assign, release
         self.free = list(range(max_slots))  # min-heap: lowest slot first keeps the batch packed
         self.inbox: deque[Seq] = deque()
         self.waiting: deque[Seq] = deque()
@@ -97,8 +105,15 @@ class Scheduler:
 
     def admit(self) -> None:
         while self.waiting and self.free:
-            s = self.waiting.popleft()
+            s = self.waiting[0]
+            if self.pool is not None:
+                s.blocks = self.pool.take(self.pool.need(len(s.prompt) + s.params.max_new_tokens))
+                if s.blocks is None:  # in order: the first in the queue waits for its blocks
+                    break
+            self.waiting.popleft()
             s.slot = heapq.heappop(self.free)
+            if s.blocks is not None:
+                self._assign(s.slot, s.blocks)
             s.handle.admitted_at = time.perf_counter()
             self.prefilling.append(s)
 
@@ -241,9 +256,16 @@ class Scheduler:
             if s in lst:
                 lst.remove(s)
         if s.slot >= 0:
-            upto = max(s.written, s.pos)
-            if upto:
-                self._zero_slot(s.slot, upto)
+            if s.blocks is not None:
+                blocks, s.blocks = s.blocks, None
+                try:
+                    self._release(s.slot, blocks)
+                finally:
+                    self.pool.give(blocks)
+            else:
+                upto = max(s.written, s.pos)
+                if upto:
+                    self._zero_slot(s.slot, upto)
             heapq.heappush(self.free, s.slot)
             s.slot = -1
 

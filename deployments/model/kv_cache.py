@@ -1,4 +1,4 @@
-"""The static KV cache: every layer's keys and values for a fixed number of slots."""
+"""The KV caches: every layer's keys and values, per slot (``KVCache``) or in blocks (``PagedKVCache``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from weights.segments import one_segment as plain_segment
 
 class KVCache:
     """Static KV cache: per layer k and v of shape [slots, n_kv_heads, max_seq_len, head_dim]."""
+
+    paged = False
 
     def __init__(self, cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
                  one_segment: bool = True):
@@ -42,3 +44,83 @@ class KVCache:
     def bytes_needed(cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * cfg.num_hidden_layers * max_slots * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * itemsize
+
+
+class PagedKVCache:
+    """Keys and values in fixed-size blocks: per layer k and v of shape
+    [num_blocks, n_kv_heads, block_size, head_dim], and ``block_table`` [max_slots, blocks per
+    sequence] (int32, on the device): slot s's position p lies in block
+    ``block_table[s, p // block_size]`` at offset ``p % block_size``.
+
+    Block 0 is the null block: every table entry no sequence owns points there, so a padding
+    row's writes and a read past a sequence's end land in it and never in another sequence's
+    blocks. It holds only finite values (what padding wrote), which masked scores multiply by 0.
+    The engine's scheduler hands out blocks 1..num_blocks-1 (``assign``) and takes them back
+    (``release``)."""
+
+    paged = True
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, max_slots: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device, one_segment: bool = True):
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"engine.kv_block_size must be a power of two >= 16, got {block_size}")
+        if num_blocks < 2:
+            raise ValueError(f"a paged KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
+        with plain_segment(torch.device(device)) if one_segment else contextlib.nullcontext():
+            self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
+        self.k = list(self.data[0].unbind(0))
+        self.v = list(self.data[1].unbind(0))
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_slots, self.max_seq_len = max_slots, max_seq_len
+        self.blocks_per_seq = -(-max_seq_len // block_size)
+        self.block_table = torch.zeros((max_slots, self.blocks_per_seq), dtype=torch.int32, device=device)
+
+    def assign(self, slot: int, blocks: list[int]) -> None:
+        """Slot ``slot``'s positions now lie in ``blocks`` (in order); the rest of its row points
+        to the null block. One small copy, queued on the current stream."""
+        if len(blocks) > self.blocks_per_seq:
+            raise ValueError(f"{len(blocks)} blocks for one sequence of at most {self.blocks_per_seq}")
+        row = torch.zeros(self.blocks_per_seq, dtype=torch.int32)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.block_table[slot].copy_(row, non_blocking=True)
+
+    def release(self, slot: int, blocks: list[int]) -> None:
+        """Slot ``slot`` gives ``blocks`` back: they are zeroed (a later owner reads masked keys
+        of them, and 0 * NaN = NaN) and its row points to the null block again."""
+        if blocks:
+            idx = torch.tensor(blocks, dtype=torch.long).to(self.data.device, non_blocking=True)
+            self.data.index_fill_(2, idx, 0)
+        self.block_table[slot].zero_()
+
+    def zero_(self) -> None:
+        self.data.zero_()
+
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each position: slots [R], positions [R, S] -> two [R, S] tensors."""
+        blocks = self.block_table[slots.unsqueeze(1), torch.div(positions, self.block_size, rounding_mode="floor")]
+        return blocks.long(), positions % self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Keys and values [R, n_kv, S, Dh] of rows at ``positions`` [R, S] of ``slots`` [R]."""
+        blk, off = self.locate(slots, positions)
+        self.k[layer][blk, :, off] = k.transpose(1, 2)  # indexed [R, S, n_kv, Dh]
+        self.v[layer][blk, :, off] = v.transpose(1, 2)
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..length-1 of ``slots`` [R], gathered: keys and values [R, n_kv, length, Dh]
+        (a copy; the Triton decode attention reads through the table instead)."""
+        nb = -(-length // self.block_size)
+        blocks = self.block_table[slots, :nb].long()  # [R, nb]
+
+        def gather(c: torch.Tensor) -> torch.Tensor:
+            g = c[blocks]  # [R, nb, n_kv, bs, Dh]
+            R, _, n_kv, bs, Dh = g.shape
+            return g.transpose(1, 2).reshape(R, n_kv, nb * bs, Dh)[:, :, :length]
+        return gather(self.k[layer]), gather(self.v[layer])
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * block_size * cfg.head_dim * itemsize

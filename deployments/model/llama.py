@@ -34,7 +34,7 @@ from deployments.kernels import ops
 from deployments.kernels.policy import KernelPlan
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
 from deployments.model.fused import refresh_copies
-from deployments.model.kv_cache import KVCache
+from deployments.model.kv_cache import KVCache, PagedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class AttnContext:
     cos: torch.Tensor  # [B, S, Dh] in model dtype
     sin: torch.Tensor  # sign-folded: [-sin | sin] over the two halves of Dh
     masks: dict  # window (None = full) -> bool mask, True = attend; None when not needed
-    cache: KVCache | None = None
+    cache: KVCache | PagedKVCache | None = None
     slot: int = 0  # prefill
     start: int = 0  # prefill: position of the chunk's first token
     slots: torch.Tensor | None = None  # prefill of several fresh prompts: [B] cache slot of each row
@@ -154,15 +154,26 @@ class Attention(nn.Module):
         # one Triton kernel ropes q and k and writes k, v into the cache (8 torch kernels otherwise)
         B, H, Dh = x.shape[0], self.n_heads, self.head_dim
         qkv = _linear(x.view(B, -1), self.qkv_w, self.qkv_b, ctx)  # [B, (H + 2 Hkv) Dh]
-        kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
+        cache = ctx.cache
+        kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        table = {"block_table": cache.block_table} if cache.paged else {}  # rows read and write through it
         q = ops.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
-                                  H, self.n_kv, Dh)  # [B, H, Dh]
+                              H, self.n_kv, Dh, **table)  # [B, H, Dh]
         if ctx.attention_kernel:  # flash-decoding: key slices in parallel, masks from the positions
-            out = ops.decode_attention(q, kc, vc, ctx.positions, ctx.kv_len, self.window or 0, self.scale)
+            out = ops.decode_attention(q, kc, vc, ctx.positions, ctx.kv_len, self.window or 0, self.scale, **table)
         else:
             mask = ctx.masks.get(self.window) if ctx.masks else None
-            out = self._decode_attn(q.view(B, H, 1, Dh), kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
+            k, v = self._cached(ctx, B)
+            out = self._decode_attn(q.view(B, H, 1, Dh), k, v, mask)
         return _linear(out.view(B, 1, H * Dh), self.o_proj.weight, self.o_proj.bias, ctx)
+
+    def _cached(self, ctx: AttnContext, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's keys and values 0..kv_len-1 of cache slots 0..B-1: views of a static
+        cache, a gather through a paged one's table."""
+        cache, i = ctx.cache, self.layer_idx
+        if cache.paged:
+            return cache.read(i, torch.arange(B, device=ctx.positions.device), ctx.kv_len)
+        return cache.k[i][:B, :, : ctx.kv_len], cache.v[i][:B, :, : ctx.kv_len]
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # x: [B, S, D]
@@ -185,6 +196,8 @@ class Attention(nn.Module):
         mask = ctx.masks.get(self.window) if ctx.masks else None
         if ctx.mode == "nocache":
             out = self._sdpa(q, k, v, mask)
+        elif ctx.cache.paged:
+            out = self._paged(q, k, v, mask, ctx)
         elif ctx.mode == "prefill" and ctx.slots is not None:  # fresh prompts, row b into slot slots[b]
             kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
             kc[ctx.slots, :, :S] = k
@@ -206,6 +219,28 @@ class Attention(nn.Module):
             out = self._decode_attn(q, kc[:B, :, : ctx.kv_len], vc[:B, :, : ctx.kv_len], mask)
         out = out.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # [B, S, H*Dh]
         return self.o_proj(out)
+
+    def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, ctx: AttnContext
+               ) -> torch.Tensor:
+        """The cache modes of ``forward`` over a paged cache: keys and values written through the
+        block table; a fresh prompt attends to its own, a later chunk and a decode step to what
+        the cache holds (gathered). q, k, v: [B, heads, S, Dh]."""
+        cache, i = ctx.cache, self.layer_idx
+        B, S, dev = q.shape[0], q.shape[2], q.device
+        if ctx.mode == "prefill" and ctx.slots is not None:  # fresh prompts, row b into slot slots[b]
+            cache.write(i, ctx.slots, torch.arange(S, device=dev).expand(B, S), k, v)
+            return self._sdpa(q, k, v, mask)
+        if ctx.mode == "prefill":
+            slot = torch.tensor([ctx.slot], device=dev)
+            cache.write(i, slot, torch.arange(ctx.start, ctx.start + S, device=dev).unsqueeze(0), k, v)
+            if ctx.start == 0 and mask is None:
+                return self._sdpa(q, k, v, None)
+            kc, vc = cache.read(i, slot, ctx.start + S)
+            return self._sdpa(q, kc, vc, mask)
+        # decode: row b of the batch is cache slot b
+        cache.write(i, ctx.rows, ctx.positions.view(B, 1), k, v)
+        kc, vc = self._cached(ctx, B)
+        return self._decode_attn(q, kc, vc, mask)
 
 
 class MLP(nn.Module):
@@ -317,11 +352,19 @@ class Transformer(nn.Module):
         place, what the build copied out of them."""
         refresh_copies(self)
 
+    supports_paged_cache = True
+
     def new_cache(self, max_slots: int, max_seq_len: int) -> KVCache:
         return KVCache(self.config, max_slots, max_seq_len, self.dtype, self.device)
 
     def cache_bytes(self, max_slots: int, max_seq_len: int) -> int:
         return KVCache.bytes_needed(self.config, max_slots, max_seq_len, self.dtype)
+
+    def new_paged_cache(self, num_blocks: int, block_size: int, max_slots: int, max_seq_len: int) -> PagedKVCache:
+        return PagedKVCache(self.config, num_blocks, block_size, max_slots, max_seq_len, self.dtype, self.device)
+
+    def cache_block_bytes(self, block_size: int) -> int:
+        return PagedKVCache.bytes_per_block(self.config, block_size, self.dtype)
 
     def _masks(self, q_pos: torch.Tensor, L: int, valid: torch.Tensor | None = None) -> dict:
         # q_pos: [B, S] absolute positions; returns window -> [B, 1, S, L] (True = attend)

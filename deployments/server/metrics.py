@@ -48,6 +48,8 @@ class Metrics:
                                       tag_keys=("status",)),
                 "gpu": m.Gauge("coldstart_gpu_memory_bytes", description="GPU memory by kind.",
                                tag_keys=("kind",)),
+                "kv": m.Gauge("coldstart_kv_blocks", description="Paged KV-cache blocks, used and free.",
+                              tag_keys=("state",)),
                 "retries": m.Gauge("coldstart_alloc_retries_ratio",
                                    description="Allocator retries (cudaMalloc after a cache flush) "
                                                "per allocation: fragmentation pressure."),
@@ -101,6 +103,14 @@ class Metrics:
             for kind, v in vals.items():
                 self._ray["gpu"].set(v, tags={"kind": kind})
             self._ray["retries"].set(ratio)
+
+    def sample_kv(self, engine_stats: dict) -> None:
+        """A paged KV cache's blocks in use and free (nothing for a static cache)."""
+        if "kv_blocks" not in engine_stats or not self._ray:
+            return
+        free = engine_stats["kv_blocks_free"]
+        self._ray["kv"].set(float(engine_stats["kv_blocks"] - free), tags={"state": "used"})
+        self._ray["kv"].set(float(free), tags={"state": "free"})
 
     def snapshot(self) -> dict:
         with self.lock:

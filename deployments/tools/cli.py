@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 DEMO_DIR = Path("weights/demo")
 
@@ -164,14 +165,15 @@ def packed_model(path: str | Path) -> Path:
     return p
 
 
-def check_config(path: str) -> None:
+def check_config(path: str) -> list[str]:
     """A YAML config given to ``coldstart serve`` exists and holds Serve's ``applications``
     list, checked before Ray starts (``serve run`` would take a missing file for an import
-    path and fail with a traceback). An import path (``module:app``) is left to ``serve run``."""
+    path and fail with a traceback). An import path (``module:app``) is left to ``serve run``.
+    Returns notes on settings that work against a replica's capacity (``capacity_notes``)."""
     import yaml
     p = Path(path)
     if p.suffix not in (".yaml", ".yml"):
-        return
+        return []
     if not p.is_file():
         where = "" if p.is_absolute() else f" in {Path.cwd()}"
         raise FileNotFoundError(f"{path}: no such config file{where}; run from the project's directory "
@@ -185,15 +187,36 @@ def check_config(path: str) -> None:
         raise ValueError(f"{path}: a Serve config needs an `applications:` list with at least one "
                          "application (see serve_config.yaml)")
     from deployments.config import DeploymentArgs, UserConfig, parse
+    notes = []
     for app in cfg["applications"]:
         if isinstance(app, dict) and app.get("import_path") == APP_IMPORT_PATH:
             try:
-                parse(DeploymentArgs, app.get("args"), "args")
+                args = parse(DeploymentArgs, app.get("args"), "args")
                 for dep in app.get("deployments") or []:
                     if isinstance(dep, dict) and dep.get("user_config") is not None:
                         parse(UserConfig, dep["user_config"], "user_config")
             except ValueError as e:
                 raise ValueError(f"{path}: application {app.get('name')!r}: {e}") from None
+            notes += [f"{path}: application {app.get('name')!r}: {n}" for dep in app.get("deployments") or []
+                      if isinstance(dep, dict) for n in capacity_notes(args, dep)]
+    return notes
+
+
+def capacity_notes(args: Any, dep: dict) -> list[str]:
+    """What in a deployment's options works against what one replica holds (``engine.max_slots``
+    sequences decoded at once): Ray's autoscaling target above it makes requests queue inside
+    full replicas before Ray adds one; a max_ongoing_requests below it leaves slots that never fill."""
+    slots = args.engine.max_slots
+    target = (dep.get("autoscaling_config") or {}).get("target_ongoing_requests")
+    most = dep.get("max_ongoing_requests")
+    out = []
+    if isinstance(target, (int, float)) and target > slots:
+        out.append(f"autoscaling_config.target_ongoing_requests {target} is above engine.max_slots {slots}: requests "
+                   f"queue inside full replicas before Ray adds one; set it to {slots} or less")
+    if isinstance(most, int) and most < slots:
+        out.append(f"max_ongoing_requests {most} is below engine.max_slots {slots}: {slots - most} of each "
+                   f"replica's slots never fill; raise it to {slots} or more")
+    return out
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -202,7 +225,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     if a.tp is not None and a.tp < 1:
         raise ValueError(f"--tp {a.tp}: give the tensor-parallel ranks per replica, 1 or more")
     model, tp = model_to_serve(a.model, a.tp) if a.model else (None, a.tp)
-    check_config(a.config)
+    for note in check_config(a.config):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     if model is None:
         ensure_demo()
     serve = _serve_executable()

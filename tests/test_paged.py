@@ -1,0 +1,166 @@
+"""The paged KV cache (engine.kv_cache: paged): blocks addressed through a table, handed out at
+admission and taken back at a request's end; the engine's tokens equal the static cache's and
+transformers'; requests wait for blocks in order, and one the cache could never hold is refused
+with its numbers (CPU, fp32; the CUDA cases run on a GPU)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from deployments.engine import Engine, EngineConfig, SamplingParams
+from deployments.engine.blocks import BlockPool
+from deployments.model import build_model
+from deployments.model.config import ModelConfig
+from deployments.model.kv_cache import PagedKVCache
+from helpers_engine import hf_greedy, hf_model, state_tensors
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# one prompt over several prefill chunks, two that share a padded length (one batched prefill)
+PROMPTS = [list(range(3, 43)), [9, 8, 7, 6, 5], [11, 12, 13, 14], [2] * 9, [5] * 20]
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])
+
+
+def _engine(hf_cfg: dict, hf: torch.nn.Module, device: str = "cpu", **cfg) -> Engine:
+    model = build_model(hf_cfg, {k: v.to(device) for k, v in state_tensors(hf).items()})
+    base = {"max_slots": 3, "max_seq_len": 96, "prefill_chunk": 16, "prefill_min_len": 8, "kv_cache": "paged"}
+    return Engine(model, None, EngineConfig(**{**base, **cfg}))
+
+
+def _run(eng: Engine, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
+    hs = eng.submit_many([(p, SamplingParams(max_new_tokens=n, **GREEDY)) for p in prompts])
+    return [h.result(timeout=120)[0] for h in hs]
+
+
+# ----------------------------------------------------------------------------- the cache itself
+def _cache(blocks: int = 6, block_size: int = 16, slots: int = 3, max_seq_len: int = 64) -> PagedKVCache:
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 10,
+                               "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})
+    return PagedKVCache(cfg, blocks, block_size, slots, max_seq_len, torch.float32, torch.device("cpu"),
+                        one_segment=False)
+
+
+def test_positions_land_in_their_blocks_and_read_back_in_order():
+    c = _cache()
+    c.assign(1, [4, 2, 5])  # slot 1: positions 0-15 in block 4, 16-31 in block 2, 32-47 in block 5
+    k = torch.randn(1, 2, 40, 8)
+    v = torch.randn(1, 2, 40, 8)
+    c.write(0, torch.tensor([1]), torch.arange(40).unsqueeze(0), k, v)
+    assert torch.equal(c.k[0][4, :, :16], k[0, :, :16]) and torch.equal(c.k[0][2, :, :16], k[0, :, 16:32])
+    assert torch.equal(c.v[0][5, :, :8], v[0, :, 32:40]) and not c.v[0][5, :, 8:].any()
+    rk, rv = c.read(0, torch.tensor([1]), 40)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    assert not c.k[1].any() and not c.k[0][[0, 1, 3]].any()  # nothing else written: other layer, other blocks
+    c.release(1, [4, 2, 5])
+    assert not c.data.any() and not c.block_table.any()
+
+
+def test_a_slot_without_blocks_writes_only_the_null_block():
+    c = _cache()
+    c.assign(0, [1])
+    c.write(0, torch.tensor([2]), torch.tensor([[63]]), torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))
+    assert c.k[0][0].any() and not c.k[0][1:].any()  # a padding row's write: block 0 only
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(block_size=24), "power of two >= 16"), (dict(blocks=1), "at least 2 blocks")])
+def test_bad_cache_shapes_are_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _cache(**kw)
+
+
+def test_the_pool_hands_out_and_takes_back_blocks():
+    p = BlockPool(5, 16)  # blocks 1-4
+    assert (p.capacity, p.free, p.need(17), p.need(16)) == (4, 4, 2, 1)
+    a = p.take(3)
+    assert a == [1, 2, 3] and p.take(2) is None and p.free == 1
+    p.give(a)
+    assert p.free == 4 and sorted(p.take(4)) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(20\) needs 5 KV-cache blocks "
+                                         r"of 16 positions, but this replica's cache holds 4 \(64 positions\)"):
+        p.check(60, 20)
+
+
+# ----------------------------------------------------------------------------- the engine over it
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 5}),
+                                      ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1})])
+def test_paged_engine_gives_the_static_cache_and_transformers_tokens(arch, kw, device):
+    hf, cfg = hf_model(arch, **kw)
+    want = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    got = {}
+    for kind in ("static", "paged"):
+        eng = _engine(cfg, hf, device, kv_cache=kind)
+        with eng:
+            got[kind] = _run(eng, PROMPTS)
+            got[kind + " again"] = _run(eng, PROMPTS)  # over blocks the first batch used and gave back
+            if kind == "paged":
+                st = eng.stats()
+                assert st["kv_blocks_free"] == st["kv_blocks"] == 3 * 6 and st["kv_block_size"] == 16
+    if device == "cpu":
+        assert got["paged"] == got["paged again"] == got["static"] == want
+    else:  # fp32 on the GPU: the kernels' sums in another order may move a near tie
+        assert got["paged"] == got["paged again"] == got["static"]
+
+
+def test_requests_wait_in_order_for_blocks_and_all_finish():
+    hf, cfg = hf_model("llama")
+    # 5 free blocks of 16: the 40-token prompt (+12) needs 4, the others 1 or 2; at most two run at once
+    eng = _engine(cfg, hf, kv_blocks=6)
+    with eng:
+        admitted = []
+        hs = eng.submit_many([(p, SamplingParams(max_new_tokens=12, **GREEDY)) for p in PROMPTS])
+        outs = [h.result(timeout=120)[0] for h in hs]
+        admitted = [h.admitted_at for h in hs]
+        assert eng.stats()["kv_blocks_free"] == 5
+    assert admitted == sorted(admitted)  # first come, first served: nobody jumps the queue for blocks
+    assert outs == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+def test_a_request_the_cache_can_never_hold_is_refused_with_its_numbers():
+    hf, cfg = hf_model("llama")
+    eng = _engine(cfg, hf, kv_blocks=4)  # 3 blocks: 48 positions
+    with eng:
+        with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ max_new_tokens \(20\) needs 4 KV-cache blocks "
+                                             r".* holds 3 \(48 positions\)"):
+            eng.submit(list(range(3, 43)), SamplingParams(max_new_tokens=20, **GREEDY))
+        assert _run(eng, [[5, 6, 7]], 4)  # and the engine goes on
+
+
+def test_cancelled_and_finished_requests_give_their_blocks_back_zeroed():
+    hf, cfg = hf_model("llama")
+    eng = _engine(cfg, hf)
+    with eng:
+        h = eng.submit(list(range(3, 40)), SamplingParams(max_new_tokens=50, **GREEDY))
+        while not h.admitted_at:
+            time.sleep(0.01)
+        h.cancel()
+        h.result(timeout=60)
+        _run(eng, [[4, 5, 6]], 5)
+        deadline = time.time() + 10
+        while eng.stats()["kv_blocks_free"] != eng.stats()["kv_blocks"] and time.time() < deadline:
+            time.sleep(0.01)
+        cache = eng.runner.cache
+        assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks"]
+        assert not cache.data[:, :, 1:].any() and not cache.block_table.any()  # only the null block written
+
+
+def test_http_refuses_a_request_the_cache_cannot_hold_with_a_400(tiny_packed):
+    from deployments.server.http import build
+    from deployments.server.replica import LLMServer
+    s = LLMServer(str(tiny_packed), device="cpu", engine={"max_slots": 2, "max_seq_len": 256, "kv_cache": "paged",
+                                                          "kv_blocks": 5})
+    try:
+        c = TestClient(build(s))
+        s.reconfigure({"warmup": {"requests": 1, "decode_tokens": 4, "prompt_fraction": 0.05}})
+        r = c.post("/generate", json={"prompt": "The answer is ", "max_new_tokens": 100, "temperature": 0})
+        assert r.status_code == 400 and "KV-cache blocks" in r.text and "holds 4 (64 positions)" in r.text, r.text
+        r = c.post("/generate", json={"prompt": "The answer is ", "max_new_tokens": 8, "temperature": 0})
+        assert r.status_code == 200
+        assert c.get("/stats").json()["engine"]["kv_blocks"] == 4
+    finally:
+        s.shutdown()
