@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--kv-cache", choices=["static", "paged"], default="static", help="engine.kv_cache")
+    ap.add_argument("--kv-block-size", type=int, default=16, help="engine.kv_block_size (paged)")
+    ap.add_argument("--concurrency", type=lambda v: tuple(int(x) for x in v.split(",")), default=(1, 4, 16),
+                    help="concurrent requests to time total tokens/s at, e.g. 1,16,64,128 (up to --max-slots)")
     ap.add_argument("--graph-batch-sizes", type=lambda v: tuple(int(x) for x in v.split(",")),
                     help="decode batch buckets, e.g. 1,4,16 (default: the engine's)")
     ap.add_argument("--kv-buckets", type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     max_seq = min(args.max_seq_len, model.max_position_embeddings)
     ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs,
+                        kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                         graph_batch_sizes=args.graph_batch_sizes, kv_len_buckets=args.kv_buckets)
     engine = Engine(model, None, ecfg)
     gen = torch.Generator().manual_seed(0)
@@ -259,13 +264,14 @@ def main(argv: list[str] | None = None) -> dict:
     res["decode_ms_per_token_b1"] = 1e3 / h.decode_tokens_per_s
     res["weights_gb_per_s_b1"] = res["weight_gb"] / (res["decode_ms_per_token_b1"] / 1e3)
 
-    for c in (1, 4, 16):
+    for c in args.concurrency:
         if c > args.max_slots:
             continue
         res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt() for _ in range(c)], args.new_tokens, device)
     if "tokens_per_s_b16" in res:
         res["ratio_b16_b1"] = res["tokens_per_s_b16"] / res["tokens_per_s_b1"]
-    res["engine_stats"] = engine.stats()
+    res["engine_stats"] = engine.stats()  # (paged: kv_blocks, the cache's size in blocks)
+    res["kv_cache"] = args.kv_cache
     engine.shutdown()
     del engine
 

@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve
+#         tp-rank tp-serve paged
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -23,7 +23,7 @@ for stage in "$@"; do
   case $stage in
     tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loader.py tests/test_engine.py tests/test_server.py \
                tests/test_model.py tests/test_doctor.py tests/test_kernels.py tests/test_device.py \
-               tests/test_early.py tests/test_startup.py 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
+               tests/test_early.py tests/test_startup.py tests/test_paged.py 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
     ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
     load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
     load-warm) python3 bench/load.py --out "$out" --warm-only --repeats 5 2>&1 | tail -3 ;;
@@ -90,6 +90,18 @@ for stage in "$@"; do
              python3 bench/tp.py serve --out "$out" --shape llama2-13b --tp 2 2>&1 | tail -8; r=$?
              if [ "$n" -ge 4 ]; then python3 bench/tp.py serve --out "$out" --shape llama3-70b --tp 4 2>&1 | tail -8
                r=$((r | $?)); fi; (exit $r) ;;
+    paged)   # the paged KV cache beside the static one, the engine alone: static with 16 slots (today's
+             # figure) and with 128 of 1024 positions (what fits), paged with 128 of 4096; then the
+             # paged replica through Ray Serve's HTTP front at 64 and 128 concurrent (128 in, 128 out)
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 16 --concurrency 1,16 \
+               --out "$out/engine-static-16.json" 2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+) " | sed 's/^/static16  /'
+             python3 bench/engine.py $W/packed --max-seq-len 1024 --no-hf --max-slots 128 --concurrency 32,64,128 \
+               --out "$out/engine-static-128.json" 2>&1 | grep -E "^tokens_per_s_b[0-9]+ " | sed 's/^/static128 /'
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
+               --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
+               | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|capture_warmup_s) " | sed 's/^/paged128  /'
+             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
+               --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 | tail -4 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }
