@@ -164,3 +164,21 @@ def test_http_refuses_a_request_the_cache_cannot_hold_with_a_400(tiny_packed):
         assert c.get("/stats").json()["engine"]["kv_blocks"] == 4
     finally:
         s.shutdown()
+
+
+def test_a_mixed_load_on_a_small_cache_never_fails_and_each_request_gets_its_tokens_alone():
+    """30 requests of random lengths on a cache that holds two or three of them at a time:
+    every one finishes, with the tokens it gets alone (nothing preempted, no memory error)."""
+    hf, cfg = hf_model("llama")
+    g = torch.Generator().manual_seed(3)
+    reqs = []
+    for _ in range(30):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        reqs.append((torch.randint(3, 97, (n,), generator=g).tolist(), int(torch.randint(1, 30, (1,), generator=g))))
+    eng = _engine(cfg, hf, max_slots=4, kv_blocks=10)  # 9 blocks of 16: 144 positions
+    with eng:
+        alone = [eng.generate(p, SamplingParams(max_new_tokens=m, **GREEDY))[0] for p, m in reqs]
+        hs = eng.submit_many([(p, SamplingParams(max_new_tokens=m, **GREEDY)) for p, m in reqs])
+        together = [h.result(timeout=300)[0] for h in hs]
+        assert eng.stats()["kv_blocks_free"] == 9
+    assert together == alone and all(len(t) == m for t, (_, m) in zip(together, reqs))
