@@ -5,9 +5,11 @@
 GEMV (`deployments.kernels.ops._launch_gemv`, batch 1) for each projection shape of a
 Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
-where it is off. Each figure is one CUDA graph over 32 distinct weight matrices / KV
-caches (one per layer, so the L2 cache does not hold them), the best of 5 replays.
-Random fp16 data; nothing is loaded. Prints and writes the best block sizes.
+where it is off; and the attention over a paged cache (block sizes 16 and 32, through a
+shuffled block table) beside the same keys in the static cache. Each figure is one CUDA
+graph over 32 distinct weight matrices / KV caches (one per layer, so the L2 cache does not
+hold them), the best of 5 replays. Random fp16 data; nothing is loaded. Prints and writes
+the best block sizes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ ATTN_CASES = [("mha-b1-L512", 1, 32, 32, 512, False), ("mha-b1-L2048", 1, 32, 32
 # (block_n, num_warps, target, num_stages)
 ATTN_CONFIGS = [(bn, w, t, st) for bn in (32, 64, 128) for w in (4, 8) for t in (264, 528) for st in (2, 3, 4)]
 T_CACHE = 4096  # every cache this long: a graph per batch size launches with kv_len = the whole cache
+PAGED_BLOCK_SIZES = (16, 32)
 
 def graph_ms(fn, replays: int = 5) -> float:
     return policy.graph_ms(fn, "cuda", replays)
@@ -144,20 +147,76 @@ def sweep_attention(dtype: torch.dtype) -> dict:
         torch.cuda.empty_cache()
     return out
 
+
+def to_paged(k: torch.Tensor, block_size: int, table: torch.Tensor) -> torch.Tensor:
+    """A static cache [B, n_kv, T, Dh] as a paged one [1 + B * T / block_size, n_kv, block_size, Dh]:
+    row b's block j in block table[b, j]; block 0 (the null block) zeros."""
+    B, n_kv, T, Dh = k.shape
+    paged = torch.zeros(1 + B * (T // block_size), n_kv, block_size, Dh, device=k.device, dtype=k.dtype)
+    paged[table.long()] = k.view(B, n_kv, T // block_size, block_size, Dh).transpose(1, 2)
+    return paged
+
+
+def sweep_paged_attention(dtype: torch.dtype) -> dict:
+    """Per case of the attention sweep: the Triton attention at its defaults over the static
+    caches (and with its key blocks as short as the paged one's, BLOCK_N = block_size), and
+    over the same keys in paged caches of each block size, through one shuffled block table
+    (every layer's), with kv_len and with kv_len = the whole cache."""
+    out = {}
+    Dh = 128
+    for name, B, H, n_kv, L, spread in ATTN_CASES:
+        caches = [(torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype),
+                   torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
+        q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
+        pos = (torch.tensor([L * (i + 1) // B - 1 for i in range(B)], device="cuda") if spread
+               else torch.full((B,), L - 1, device="cuda", dtype=torch.int64))
+        scale = Dh ** -0.5
+        want = ops._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
+
+        def launch(k, v, kv_len=L, block_n=None, table=None):
+            return ops._launch_decode_attention(q, k, v, pos, kv_len, 0, scale, block_n, block_table=table)
+
+        r = {"static_ms": graph_ms(lambda: [launch(k, v) for k, v in caches])}
+        line = f"paged {name:22s} static {r['static_ms'] / LAYERS * 1e3:6.1f} us/layer"
+        for bs in PAGED_BLOCK_SIZES:
+            nb = T_CACHE // bs
+            table = (1 + torch.randperm(B * nb, device="cuda")).view(B, nb).to(torch.int32)
+            pages = [(to_paged(k, bs, table), to_paged(v, bs, table)) for k, v in caches]
+            r[f"bs{bs}"] = b = {
+                "static_block_n_ms": graph_ms(lambda: [launch(k, v, block_n=bs) for k, v in caches]),
+                "paged_ms": graph_ms(lambda: [launch(k, v, table=table) for k, v in pages]),
+                "paged_whole_cache_ms": graph_ms(lambda: [launch(k, v, T_CACHE, table=table) for k, v in pages]),
+                "max_err": (launch(*pages[0], table=table).float() - want.float()).abs().max().item(),
+                "whole_cache_max_err": (launch(*pages[0], T_CACHE, table=table).float()
+                                        - want.float()).abs().max().item()}
+            line += (f" | bs {bs}: paged {b['paged_ms'] / LAYERS * 1e3:6.1f}, whole cache "
+                     f"{b['paged_whole_cache_ms'] / LAYERS * 1e3:6.1f}, static at BLOCK_N {bs} "
+                     f"{b['static_block_n_ms'] / LAYERS * 1e3:6.1f}")
+            pages.clear()
+            torch.cuda.empty_cache()
+        print(line, flush=True)
+        out[name] = r
+        caches.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=["gemv", "attention"])
+    ap.add_argument("--only", choices=["gemv", "attention", "paged"])
     a = ap.parse_args()
     if not ops.available("cuda"):
         sys.exit("needs CUDA and Triton")
     t0 = time.perf_counter()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "command": "python bench/kernel_sweep.py " + " ".join(sys.argv[1:])}
-    if a.only != "attention":
+    if a.only in (None, "gemv"):
         res["gemv"] = sweep_gemv(torch.float16)
-    if a.only != "gemv":
+    if a.only in (None, "attention"):
         res["attention"] = sweep_attention(torch.float16)
+    if a.only in (None, "paged"):
+        res["paged_attention"] = sweep_paged_attention(torch.float16)
     res["seconds"] = time.perf_counter() - t0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

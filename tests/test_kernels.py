@@ -126,6 +126,100 @@ def test_ref_rope_store_kv(case, dtype):
     assert torch.equal(vc, expect_v)
 
 
+# (B, n_heads, n_kv, head_dim, block_size, kv_len, window) of a paged cache: GQA and MHA, head_dim
+# 16/32/64, block sizes 16 and 32 (and 128: several key blocks of the kernel in one cache block),
+# kv_len not a whole number of blocks, sliding windows
+PAGED_CASES = [(4, 8, 2, 64, 16, 100, 0), (3, 4, 4, 32, 32, 70, 0), (4, 6, 2, 16, 16, 64, 20),
+               (3, 4, 1, 32, 32, 96, 40), (3, 4, 4, 16, 128, 200, 0)]
+
+
+def _paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype, device="cpu", seed=0, max_blocks=None, null_padding=False):
+    """q, a paged cache (k, v [num_blocks, Hkv, bs, Dh]), its block table [B + 1, max_blocks]
+    int32, the same logical keys as static caches (k, v [B + 1, Hkv, max_blocks * bs, Dh]) and
+    the positions [B].
+
+    Row 0 is at position 0, the last row is padding (position max_blocks * bs - 1, past kv_len
+    unless max_blocks * bs == kv_len), the others anywhere below kv_len. Each row owns the blocks
+    of its keys 0..min(position, kv_len - 1) (the padding row none if ``null_padding``, as the
+    engine's), drawn shuffled from 1..num_blocks-1; its other entries are the null block 0. The
+    table's extra row is another sequence's (one block, never read). Every block, the null one
+    and two unowned ones too, holds random finite values. The static caches are copied block by
+    block through the table, the null block wherever it points."""
+    g = _gen(seed)
+    max_blocks = max_blocks or -(-kv_len // bs) + 1
+    T = max_blocks * bs
+    pos = torch.randint(1, kv_len, (B,), generator=g)
+    pos[0], pos[-1] = 0, T - 1
+    need = [min(int(p), kv_len - 1) // bs + 1 for p in pos] + [1]
+    if null_padding:
+        need[B - 1] = 0
+    num_blocks = 1 + sum(need) + 2
+    ids = (1 + torch.randperm(num_blocks - 1, generator=g)).tolist()
+    table = torch.zeros(B + 1, max_blocks, dtype=torch.int32)
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    q = _randn(B, H, Dh, dtype=dtype, g=g)
+    kp, vp = (_randn(num_blocks, Hkv, bs, Dh, dtype=dtype, g=g) for _ in range(2))
+    ks, vs = (torch.empty(B + 1, Hkv, T, Dh, dtype=dtype) for _ in range(2))
+    for b in range(B + 1):
+        for j in range(max_blocks):
+            ks[b, :, j * bs : (j + 1) * bs] = kp[table[b, j]]
+            vs[b, :, j * bs : (j + 1) * bs] = vp[table[b, j]]
+    return tuple(t.to(device) for t in (q, kp, vp, table, ks, vs, pos))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_ref_rope_store_kv_paged_writes_the_addressed_slot_only(case, dtype):
+    """Row b's roped k and its v land at [block_table[b, p // bs], :, p % bs], as the static
+    cache gets them at [b, :, p], and nothing else in the caches changes. The padding row's
+    entry there is the null block: it writes the null block, never a block another row owns."""
+    B, H, Hkv, Dh, bs, kv_len, _ = case
+    qkv, cos, sin, *_ = _rope_inputs(B, H, Hkv, Dh, 8, dtype)
+    _, kp, vp, table, ks, vs, pos = _paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype)
+    assert table[B - 1, int(pos[-1]) // bs] == 0
+    want_q = ops._ref_rope_store_kv(qkv, cos, sin, ks, vs, pos, H, Hkv, Dh)
+    want_k, want_v = kp.clone(), vp.clone()
+    for b, p in enumerate(pos.tolist()):
+        want_k[table[b, p // bs], :, p % bs] = ks[b, :, p]
+        want_v[table[b, p // bs], :, p % bs] = vs[b, :, p]
+    null_before = kp[0].clone()
+    q = ops._ref_rope_store_kv(qkv, cos, sin, kp, vp, pos, H, Hkv, Dh, table)
+    assert torch.equal(q, want_q)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+    assert not torch.equal(kp[0], null_before)  # the padding row's write
+
+
+@pytest.mark.parametrize("position", [64, -1])
+def test_ref_rope_store_kv_paged_raises_outside_the_table(position):
+    """A position outside [0, max_blocks * block_size) raises (4 blocks of 16 here), as the
+    static reference does past T; the caches are not written."""
+    B, H, Hkv, Dh = 3, 4, 2, 32
+    qkv, cos, sin, *_ = _rope_inputs(B, H, Hkv, Dh, 0, torch.float32)
+    _, kp, vp, table, *_ = _paged_inputs(B, H, Hkv, Dh, 16, 40, torch.float32)
+    assert table.shape[1] == 4
+    before_k, before_v = kp.clone(), vp.clone()
+    with pytest.raises(IndexError):
+        ops._ref_rope_store_kv(qkv, cos, sin, kp, vp, torch.tensor([5, position, 3]), H, Hkv, Dh, table)
+    assert torch.equal(kp, before_k) and torch.equal(vp, before_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("null_padding", [False, True])
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_ref_decode_attention_paged_matches_static(case, null_padding, dtype):
+    """Through the table, the same result as the static cache holding the same logical keys:
+    the same masks (position 0, a window, a padding row, owning blocks or reading only the
+    null block), the table's extra row ignored."""
+    B, H, Hkv, Dh, bs, kv_len, window = case
+    q, kp, vp, table, ks, vs, pos = _paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype, null_padding=null_padding)
+    want = ops._ref_decode_attention(q, ks, vs, pos, kv_len, window, Dh**-0.5)
+    got = ops._ref_decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, table)
+    assert got.shape == q.shape and got.dtype == dtype and torch.isfinite(got).all()
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------- public API on CPU
 
 
@@ -153,12 +247,30 @@ def test_public_functions_fall_back_on_cpu(dtype):
     assert torch.equal(q, ops._ref_rope_store_kv(qkv, cos, sin, kc2, vc2, pos, 8, 2, 128))
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
+    q, kp, vp, table, _, _, pos = _paged_inputs(3, 8, 2, 32, 16, 40, dtype)
+    kp2, vp2 = kp.clone(), vp.clone()
+    qkv, cos, sin, *_ = _rope_inputs(3, 8, 2, 32, 0, dtype)
+    q_out = ops.rope_store_kv(qkv, cos, sin, kp, vp, pos, 8, 2, 32, block_table=table)
+    assert torch.equal(q_out, ops._ref_rope_store_kv(qkv, cos, sin, kp2, vp2, pos, 8, 2, 32, table))
+    assert torch.equal(kp, kp2) and torch.equal(vp, vp2)
+    assert torch.equal(ops.decode_attention(q, kp, vp, pos, 40, 0, 0.25, block_table=table),
+                       ops._ref_decode_attention(q, kp, vp, pos, 40, 0, 0.25, table))
+
 
 def _rope_call(**over):
     B, H, Hkv, Dh, T = 2, 2, 1, 4, 5
     args = dict(qkv=torch.randn(B, (H + 2 * Hkv) * Dh), cos=torch.randn(B, Dh), sin=torch.randn(B, Dh),
                 k_cache=torch.randn(3, Hkv, T, Dh), v_cache=torch.randn(3, Hkv, T, Dh),
                 positions=torch.tensor([0, 4]), n_heads=H, n_kv=Hkv, head_dim=Dh)
+    return lambda: ops.rope_store_kv(**{**args, **over})
+
+
+def _paged_rope_call(**over):
+    B, H, Hkv, Dh, bs = 2, 2, 1, 4, 16
+    args = dict(qkv=torch.randn(B, (H + 2 * Hkv) * Dh), cos=torch.randn(B, Dh), sin=torch.randn(B, Dh),
+                k_cache=torch.randn(3, Hkv, bs, Dh), v_cache=torch.randn(3, Hkv, bs, Dh),
+                positions=torch.tensor([0, 20]), n_heads=H, n_kv=Hkv, head_dim=Dh,
+                block_table=torch.tensor([[1, 0], [2, 0]], dtype=torch.int32))
     return lambda: ops.rope_store_kv(**{**args, **over})
 
 
@@ -190,6 +302,23 @@ BAD_INPUTS = [
     pytest.param(_rope_call(positions=[0, 4]), "positions", id="rope-pos-list"),
     pytest.param(_rope_call(head_dim=3, qkv=torch.randn(2, 12)), "head_dim", id="rope-head-dim-odd"),
     pytest.param(_rope_call(n_kv=0), "n_kv", id="rope-n-kv-zero"),
+    pytest.param(_paged_rope_call(block_table=torch.tensor([[1, 0], [2, 0]])), "block_table",
+                 id="paged-rope-table-int64"),
+    pytest.param(_paged_rope_call(block_table=torch.tensor([1, 2], dtype=torch.int32)), "block_table",
+                 id="paged-rope-table-1d"),
+    pytest.param(_paged_rope_call(block_table=torch.tensor([[1, 0]], dtype=torch.int32)), "block_table",
+                 id="paged-rope-table-rows"),
+    pytest.param(_paged_rope_call(block_table=torch.zeros(2, 4, dtype=torch.int32)[:, ::2]), "block_table",
+                 id="paged-rope-table-strided"),
+    pytest.param(_paged_rope_call(block_table=torch.zeros(2, 2, dtype=torch.int32, device="meta")), "block_table",
+                 id="paged-rope-table-device"),
+    pytest.param(_paged_rope_call(block_table=[[1, 0], [2, 0]]), "block_table", id="paged-rope-table-list"),
+    pytest.param(_paged_rope_call(k_cache=torch.randn(3, 1, 8, 4), v_cache=torch.randn(3, 1, 8, 4)), "k_cache",
+                 id="paged-rope-block-size-8"),
+    pytest.param(_paged_rope_call(k_cache=torch.randn(3, 1, 24, 4), v_cache=torch.randn(3, 1, 24, 4)), "k_cache",
+                 id="paged-rope-block-size-24"),
+    pytest.param(_paged_rope_call(k_cache=torch.randn(3, 2, 16, 4)), "k_cache", id="paged-rope-k-cache-n-kv"),
+    pytest.param(_paged_rope_call(v_cache=torch.randn(4, 1, 16, 4)), "v_cache", id="paged-rope-v-cache-shape"),
 ]
 
 
@@ -197,6 +326,11 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_naming_the_argument(call, name):
     with pytest.raises(ValueError, match=rf"^{name}\b"):
         call()
+
+
+def test_paged_rope_call_is_valid():
+    """The paged cases above change one argument of a call that passes (row 1 writes the null block)."""
+    assert _paged_rope_call()().shape == (2, 2, 4)
 
 
 # ----------------------------------------------------------------------------- Triton interpreter
@@ -333,6 +467,78 @@ def test_interp_decode_attention_reads_no_key_past_the_position(interp, case):
         stale_v[b, :, int(pos[b]) + 1:] = float("nan")
     out = interp._launch_decode_attention(q, stale_k, stale_v, pos, kv_len, window, Dh**-0.5)
     torch.testing.assert_close(out, interp._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_interp_rope_store_kv_paged(interp, case, dtype):
+    """As the paged reference: each row's slot written (the padding row's in the null block), the rest untouched."""
+    B, H, Hkv, Dh, bs, kv_len, _ = case
+    qkv, cos, sin, *_ = _rope_inputs(B, H, Hkv, Dh, 8, dtype)
+    _, kp, vp, table, _, _, pos = _paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype)
+    ref_k, ref_v = kp.clone(), vp.clone()
+    q = interp._launch_rope_store_kv(qkv, cos, sin, kp, vp, pos, H, Hkv, Dh, table)
+    ref_q = interp._ref_rope_store_kv(qkv, cos, sin, ref_k, ref_v, pos, H, Hkv, Dh, table)
+    assert q.shape == (B, H, Dh) and q.is_contiguous()
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(kp, ref_k, **TOL[dtype])  # written slots close, the rest untouched
+    assert torch.equal(vp, ref_v)
+
+
+def test_interp_rope_paged_skips_positions_outside_the_table(interp):
+    """Rows at positions 64 (= max_blocks * block_size) and -1 write nothing; row 0 its slot."""
+    B, H, Hkv, Dh, bs = 3, 4, 2, 32, 16
+    qkv, cos, sin, *_ = _rope_inputs(B, H, Hkv, Dh, 0, torch.float32)
+    _, kp, vp, table, *_ = _paged_inputs(B, H, Hkv, Dh, bs, 40, torch.float32)
+    assert table.shape[1] * bs == 64
+    want_k, want_v = kp.clone(), vp.clone()
+    interp._launch_rope_store_kv(qkv, cos, sin, kp, vp, torch.tensor([5, 64, -1]), H, Hkv, Dh, table)
+    blk = int(table[0, 0])
+    assert not torch.equal(kp[blk, :, 5], want_k[blk, :, 5])
+    want_k[blk, :, 5] = kp[blk, :, 5]
+    want_v[blk, :, 5] = qkv[0, (H + Hkv) * Dh :].view(Hkv, Dh)
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)
+
+
+# bf16 left out as in test_interp_decode_attention (the interpreter's bf16 tl.dot)
+@pytest.mark.parametrize("block_n", [None, 16])
+@pytest.mark.parametrize("null_padding", [False, True])
+@pytest.mark.parametrize("case, dtype", [(c, d) for c in PAGED_CASES for d in DTYPES if d != torch.bfloat16])
+def test_interp_decode_attention_paged(interp, case, dtype, null_padding, block_n):
+    """As the paged reference; and, with the same key blocks (BLOCK_N = min(block_n, block_size)),
+    the very result of the static kernel over the same logical keys."""
+    B, H, Hkv, Dh, bs, kv_len, window = case
+    q, kp, vp, table, ks, vs, pos = _paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype, null_padding=null_padding)
+    out = interp._launch_decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, block_n, block_table=table)
+    ref = interp._ref_decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, table)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, ref, **({} if dtype == torch.float32 else TOL[dtype]))
+    static_n = min(block_n or interp._ATTN_DEFAULTS[0], bs)
+    assert torch.equal(out, interp._launch_decode_attention(q, ks, vs, pos, kv_len, window, Dh**-0.5, static_n))
+
+
+@pytest.mark.parametrize("case", PAGED_CASES + [(4, 4, 2, 32, 16, 256, 0)])
+def test_interp_decode_attention_paged_reads_no_key_past_the_position(interp, case):
+    """Only the blocks of a row's keys up to its position (up to kv_len for the padding row)
+    are read: NaN in the rest of each row's last block and in every block no row reads (another
+    sequence's, unowned ones) changes nothing. The last case's kv_len is the whole table
+    (max_blocks * block_size), its rows short ones in that bound."""
+    B, H, Hkv, Dh, bs, kv_len, window = case
+    max_blocks = kv_len // bs if kv_len == 256 else None
+    q, kp, vp, table, *_, pos = _paged_inputs(B, H, Hkv, Dh, bs, kv_len, torch.float32, max_blocks=max_blocks)
+    want = interp._ref_decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, table)
+    stale_k, stale_v = kp.clone(), vp.clone()
+    for b in range(B):
+        last = min(int(pos[b]), kv_len - 1)
+        blk = int(table[b, last // bs])
+        stale_k[blk, :, last % bs + 1 :] = float("nan")
+        stale_v[blk, :, last % bs + 1 :] = float("nan")
+    unread = sorted(set(range(1, kp.shape[0])) - set(table[:B].flatten().tolist()))
+    assert len(unread) >= 3  # another sequence's block and two unowned ones
+    stale_k[unread] = float("nan")
+    stale_v[unread] = float("nan")
+    out = interp._launch_decode_attention(q, stale_k, stale_v, pos, kv_len, window, Dh**-0.5, block_table=table)
+    torch.testing.assert_close(out, want)
 
 
 # (N, K, bias): N not a multiple of the row block, K not a multiple of the K block, a bias
@@ -666,6 +872,34 @@ def test_decode_attention_rejects_bad_inputs(kw, msg):
         ops.decode_attention(**args)
 
 
+@pytest.mark.parametrize("kw, msg", [
+    (dict(), None),
+    (dict(kv_len=65), r"^kv_len must be an int in \[1, 64\] \(max_blocks \* block_size\)"),
+    (dict(block_table=torch.zeros(3, 4, dtype=torch.int64)), r"^block_table must be an int32 tensor \[rows >= 3"),
+    (dict(block_table=torch.zeros(12, dtype=torch.int32)), "^block_table must be an int32 tensor"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), "^block_table must be an int32 tensor"),
+    (dict(block_table=torch.zeros(3, 8, dtype=torch.int32)[:, ::2]), "^block_table must be contiguous"),
+    (dict(block_table=torch.zeros(3, 4, dtype=torch.int32, device="meta")), "^block_table must be on q's device"),
+    (dict(block_table=[[1, 2]] * 3), "^block_table must be an int32 tensor"),
+    (dict(k_cache=torch.zeros(9, 2, 8, 16), v_cache=torch.zeros(9, 2, 8, 16)),
+     r"^k_cache's block_size \(dim 2\) must be a power of two >= 16, got 8"),
+    (dict(k_cache=torch.zeros(6, 2, 24, 16), v_cache=torch.zeros(6, 2, 24, 16)), "^k_cache's block_size"),
+    (dict(k_cache=torch.zeros(5, 2, 16, 32)), r"^k_cache must be a contiguous paged cache \[num_blocks, n_kv, "),
+    (dict(v_cache=torch.zeros(6, 2, 16, 16)), "^v_cache must have k_cache's shape"),
+])
+def test_decode_attention_paged_rejects_bad_inputs(kw, msg):
+    """The paged layout's checks; the first case (kv_len = max_blocks * block_size) passes."""
+    args = dict(q=torch.zeros(3, 4, 16), k_cache=torch.zeros(5, 2, 16, 16), v_cache=torch.zeros(5, 2, 16, 16),
+                positions=torch.zeros(3, dtype=torch.int64), kv_len=64, window=0, scale=0.25,
+                block_table=torch.zeros(3, 4, dtype=torch.int32))
+    args.update(kw)
+    if msg is None:
+        assert ops.decode_attention(**args).shape == (3, 4, 16)
+        return
+    with pytest.raises(ValueError, match=msg):
+        ops.decode_attention(**args)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ATTN_CASES + [(1, 32, 32, 128, 4096, 4096, 0), (16, 32, 8, 128, 2048, 2048, 0),
@@ -677,6 +911,75 @@ def test_gpu_decode_attention_matches_reference(monkeypatch, case, dtype):
     out = ops.decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
     ref = ops._ref_decode_attention(q, kc, vc, pos, kv_len, window, Dh**-0.5)
     torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+# (B, n_heads, n_kv, head_dim, block_size, kv_len, window): the test cases, then a 7B's shapes
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", PAGED_CASES + [(16, 32, 8, 128, 16, 2048, 0), (16, 32, 32, 128, 32, 1000, 0),
+                                                (4, 32, 8, 128, 64, 4096, 1024), (3, 32, 32, 128, 256, 4096, 0)])
+def test_gpu_paged_kernels_match_reference(monkeypatch, case, dtype):
+    _use_triton(monkeypatch)
+    B, H, Hkv, Dh, bs, kv_len, window = case
+    q, kp, vp, table, ks, vs, pos = _paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype, device="cuda")
+    out = ops.decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, block_table=table)
+    torch.testing.assert_close(out, ops._ref_decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, table),
+                               **TOL[dtype])
+    torch.testing.assert_close(out, ops.decode_attention(q, ks, vs, pos, kv_len, window, Dh**-0.5), **TOL[dtype])
+    qkv, cos, sin, *_ = _rope_inputs(B, H, Hkv, Dh, 8, dtype, device="cuda")
+    ref_k, ref_v = kp.clone(), vp.clone()
+    q2 = ops.rope_store_kv(qkv, cos, sin, kp, vp, pos, H, Hkv, Dh, block_table=table)
+    ref_q = ops._ref_rope_store_kv(qkv, cos, sin, ref_k, ref_v, pos, H, Hkv, Dh, table)
+    torch.testing.assert_close(q2, ref_q, **TOL[dtype])
+    torch.testing.assert_close(kp, ref_k, **TOL[dtype])
+    assert torch.equal(vp, ref_v)
+
+
+@gpu
+@pytest.mark.parametrize("bs", [16, 32])
+def test_gpu_paged_kernels_in_cuda_graph(monkeypatch, bs):
+    """One graph serves a new block table, positions and inputs at each replay (no host syncs)."""
+    _use_triton(monkeypatch)
+    B, H, Hkv, Dh, kv_len, dtype = 4, 8, 2, 64, 200, torch.float16
+    max_blocks = -(-kv_len // bs) + 1
+    num_blocks = 1 + B * max_blocks
+    kp, vp = (_randn(num_blocks, Hkv, bs, Dh, dtype=dtype, g=_gen(i), device="cuda") for i in range(2))
+    table = torch.zeros(B, max_blocks, dtype=torch.int32, device="cuda")
+    pos = torch.zeros(B, dtype=torch.int64, device="cuda")
+    q = torch.zeros(B, H, Dh, dtype=dtype, device="cuda")
+    qkv, cos, sin, *_ = _rope_inputs(B, H, Hkv, Dh, 0, dtype, device="cuda")
+
+    def step():
+        q_out = ops.rope_store_kv(qkv, cos, sin, kp, vp, pos, H, Hkv, Dh, block_table=table)
+        return q_out, ops.decode_attention(q, kp, vp, pos, kv_len, 0, Dh**-0.5, block_table=table)
+
+    side = torch.cuda.Stream()  # warm up (compiles) off the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_out, out = step()
+
+    for seed in (20, 21):  # every row's blocks distinct (a shuffle of 1..num_blocks-1), the last row padding
+        g = _gen(seed)
+        table.copy_((1 + torch.randperm(num_blocks - 1, generator=g)).view(B, max_blocks))
+        new_pos = torch.randint(0, kv_len, (B,), generator=g)
+        new_pos[-1] = max_blocks * bs - 1
+        pos.copy_(new_pos)
+        q.copy_(_randn(B, H, Dh, dtype=dtype, g=g))
+        qkv.copy_(_randn(*qkv.shape, dtype=dtype, g=g))
+        ref_k, ref_v = kp.clone(), vp.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_q = ops._ref_rope_store_kv(qkv, cos, sin, ref_k, ref_v, pos, H, Hkv, Dh, table)
+        torch.testing.assert_close(q_out, ref_q, **TOL[dtype])
+        torch.testing.assert_close(kp, ref_k, **TOL[dtype])
+        assert torch.equal(vp, ref_v)
+        # the attention ran after the write: its reference reads the written caches
+        torch.testing.assert_close(out, ops._ref_decode_attention(q, kp, vp, pos, kv_len, 0, Dh**-0.5, table),
+                                   **TOL[dtype])
 
 
 def test_attention_self_test_says_why():

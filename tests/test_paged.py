@@ -182,3 +182,22 @@ def test_a_mixed_load_on_a_small_cache_never_fails_and_each_request_gets_its_tok
         together = [h.result(timeout=300)[0] for h in hs]
         assert eng.stats()["kv_blocks_free"] == 9
     assert together == alone and all(len(t) == m for t, (_, m) in zip(together, reqs))
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_the_fused_decode_reads_and_writes_through_the_table(attention, tmp_path):
+    """The decode step the GPU runs (rope + cache write in one op, the flash-decoding attention or
+    the batched matmuls over a gather), here through the ops' references on the CPU."""
+    from deployments.kernels.policy import KernelPlan
+    from weights import PackOptions, load, pack
+    hf, cfg = hf_model("llama", intermediate_size=128, hidden_size=128, num_attention_heads=8, num_key_value_heads=4)
+    want = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    hf.save_pretrained(tmp_path / "hf")
+    m = load(pack(tmp_path / "hf", tmp_path / "p", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)  # packed: q/k/v and gate/up lie back to back (the fused views)
+    model.kernels = KernelPlan(fused=True, attention=attention)
+    assert model._fused_decode() and model.attention_kernel() == attention
+    eng = Engine(model, None, EngineConfig(max_slots=3, max_seq_len=96, prefill_chunk=16, prefill_min_len=8,
+                                           kv_cache="paged"))
+    with eng:
+        assert _run(eng, PROMPTS) == want

@@ -6,10 +6,14 @@ KV-cache write is several per layer. These do each of those jobs in one launch:
 
 - `add_rms_norm`      residual add + RMSNorm (returns both the normed and the summed rows);
 - `silu_mul`          SwiGLU on a fused gate|up projection;
-- `rope_store_kv`     rope on q and k, k and v written into the static cache, one token per row;
+- `rope_store_kv`     rope on q and k, k and v written into the cache, one token per row;
 - `decode_attention`  flash-decoding attention over the cache (key slices in parallel, then a merge);
 - `gemv`              one row times a weight matrix, closer to the memory bandwidth than cuBLAS
                       on a 7B's shapes (``policy.gemv_choice`` times both and picks per shape).
+
+The cache is static ([slots, n_kv, T, head_dim], row b in slot b) or, given a ``block_table``,
+paged ([num_blocks, n_kv, block_size, head_dim], row b's position p at offset p % block_size of
+block block_table[b, p // block_size]); `rope_store_kv` and `decode_attention` take either.
 
 All math is fp32 with one rounding at the end. Block sizes are fixed from the shapes
 (no autotuning: compile time counts at a replica's start). No host syncs and no
@@ -59,23 +63,42 @@ def _ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _ref_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, positions: torch.Tensor, n_heads: int, n_kv: int, head_dim: int
-                       ) -> torch.Tensor:
+                       v_cache: torch.Tensor, positions: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+                       block_table: torch.Tensor | None = None) -> torch.Tensor:
     B, half, qk_width = qkv.shape[0], head_dim // 2, (n_heads + n_kv) * head_dim
     qk = qkv[:, :qk_width].float().view(B, n_heads + n_kv, head_dim)
     swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
     qk = (qk * cos.float()[:, None] + swapped * sin.float()[:, None]).to(qkv.dtype)
     rows = torch.arange(B, device=qkv.device)
-    k_cache[rows, :, positions] = qk[:, n_heads:]  # [B, n_kv, head_dim] at each row's position
-    v_cache[rows, :, positions] = qkv[:, qk_width : qk_width + n_kv * head_dim].view(B, n_kv, head_dim)
+    slot, offset = rows, positions
+    if block_table is not None:
+        # a position past the table, or a negative one, indexes past it: raises, without a host sync
+        bs, max_blocks = k_cache.shape[2], block_table.shape[1]
+        page = torch.where(positions >= 0, torch.div(positions, bs, rounding_mode="floor"), max_blocks)
+        slot, offset = block_table[rows, page].long(), positions % bs
+    k_cache[slot, :, offset] = qk[:, n_heads:]  # [B, n_kv, head_dim] at each row's position
+    v_cache[slot, :, offset] = qkv[:, qk_width : qk_width + n_kv * head_dim].view(B, n_kv, head_dim)
     return qk[:, :n_heads].contiguous()
 
 
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Positions 0..kv_len-1 of each table row out of a paged cache [num_blocks, Hkv, bs, Dh],
+    in order: [rows, Hkv, kv_len, Dh] (a copy)."""
+    rows, bs = block_table.shape[0], cache.shape[2]
+    n = -(-kv_len // bs)
+    blocks = cache[block_table[:, :n].long()]  # [rows, n, Hkv, bs, Dh]
+    return blocks.transpose(1, 2).reshape(rows, cache.shape[1], n * bs, cache.shape[3])[:, :, :kv_len]
+
+
 def _ref_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                          kv_len: int, window: int, scale: float) -> torch.Tensor:
+                          kv_len: int, window: int, scale: float, block_table: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     B, H, Dh = q.shape
-    k = k_cache[:B, :, :kv_len].float()  # [B, Hkv, L, Dh]
-    v = v_cache[:B, :, :kv_len].float()
+    if block_table is None:
+        k, v = k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len]
+    else:
+        k, v = _gather_blocks(k_cache, block_table[:B], kv_len), _gather_blocks(v_cache, block_table[:B], kv_len)
+    k, v = k.float(), v.float()  # [B, Hkv, L, Dh]
     rep = H // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # head h reads kv head h // rep
     scores = torch.einsum("bhd,bhld->bhl", q.float(), k) * scale
@@ -116,16 +139,21 @@ def _launch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, positions: torch.Tensor, n_heads: int, n_kv: int, head_dim: int
-                          ) -> torch.Tensor:
+                          v_cache: torch.Tensor, positions: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+                          block_table: torch.Tensor | None = None) -> torch.Tensor:
     B = qkv.shape[0]
     q = torch.empty((B, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     block_half = triton.next_power_of_2(head_dim // 2)
+    paged = block_table is not None
+    # T bounds the positions: the static cache's length, or the table's max_blocks * block_size.
+    # The static cache passes None for the table (no kernel argument) and an unused KV_BLOCK of 1.
+    T = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
     if B:
         # one warp per head up to head_dim 128 (2 elements per thread per half), else two
         _rope_store_kv_kernel[(B, n_heads + n_kv)](
             qkv, cos, sin, k_cache, v_cache, positions, q, qkv.stride(0), cos.stride(0), sin.stride(0),
-            k_cache.shape[2], N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=head_dim, BLOCK_HALF=block_half,
+            T, block_table, block_table.stride(0) if paged else None, N_HEADS=n_heads, N_KV=n_kv,
+            HEAD_DIM=head_dim, BLOCK_HALF=block_half, PAGED=paged, KV_BLOCK=k_cache.shape[2] if paged else 1,
             num_warps=1 if block_half <= 64 else 2)
     return q
 
@@ -165,13 +193,17 @@ _ATTN_DEFAULTS = (64, 4, 528, 2)
 def _launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                              kv_len: int, window: int, scale: float, block_n: int | None = None,
                              num_warps: int | None = None, target: int | None = None,
-                             num_stages: int | None = None) -> torch.Tensor:
+                             num_stages: int | None = None, block_table: torch.Tensor | None = None
+                             ) -> torch.Tensor:
     B, H, Dh = q.shape
-    n_kv, T = k_cache.shape[1], k_cache.shape[2]
+    n_kv, T = k_cache.shape[1], k_cache.shape[2]  # T: a paged cache's block_size
     G = H // n_kv
     block_g = max(16, triton.next_power_of_2(G))
     bn, warps, tgt, stages = _ATTN_DEFAULTS
     block_n, num_warps, target, num_stages = block_n or bn, num_warps or warps, target or tgt, num_stages or stages
+    paged = block_table is not None
+    if paged:  # key blocks no longer than a cache block (both powers of two): one table load each
+        block_n = min(block_n, T)
     n_split = _decode_splits(B * n_kv, kv_len, block_n, target)
     m = torch.empty(B * H * n_split, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
@@ -179,8 +211,9 @@ def _launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty_like(q)
     if B:
         _decode_attn_split_kernel[(B * n_kv, n_split)](
-            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, window, scale, n_split, N_KV=n_kv, G=G,
-            HEAD_DIM=Dh, BLOCK_G=block_g, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            q, k_cache, v_cache, positions, m, l_, acc, T, kv_len, window, scale, n_split, block_table,
+            block_table.stride(0) if paged else None, N_KV=n_kv, G=G, HEAD_DIM=Dh, BLOCK_G=block_g,
+            BLOCK_N=block_n, IEEE=q.dtype == torch.float32, PAGED=paged, KV_BLOCK=T if paged else 1,
             num_warps=num_warps, num_stages=num_stages)
         _decode_attn_reduce_kernel[(B * H,)](m, l_, acc, out, n_split, HEAD_DIM=Dh, BLOCK_S=_MAX_SPLITS,
                                              num_warps=4)
@@ -209,6 +242,29 @@ def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
     if t.dtype != ref.dtype or t.device != ref.device:
         raise ValueError(f"{name} must match {ref_name}'s dtype and device ({ref.dtype}, {ref.device}), "
                          f"got {t.dtype}, {t.device}")
+
+
+def _check_block_table(block_table: torch.Tensor, rows: int, ref_name: str, ref: torch.Tensor) -> None:
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] < rows or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must be an int32 tensor [rows >= {rows}, max_blocks >= 1], "
+                         f"got {_describe(block_table)}")
+    if not block_table.is_contiguous():
+        raise ValueError(f"block_table must be contiguous, got shape {tuple(block_table.shape)} "
+                         f"strides {block_table.stride()}")
+    if block_table.device != ref.device:
+        raise ValueError(f"block_table must be on {ref_name}'s device {ref.device}, got {block_table.device}")
+
+
+def _check_paged_cache(name: str, t: torch.Tensor, n_kv: int | None, head_dim: int) -> None:
+    """A paged cache: contiguous [num_blocks, n_kv, block_size, head_dim], block_size a power of two >= 16."""
+    if t.dim() != 4 or (n_kv is not None and t.shape[1] != n_kv) or t.shape[3] != head_dim \
+            or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous paged cache [num_blocks, {n_kv or 'n_kv'}, block_size, "
+                         f"{head_dim}], got {_describe(t)}")
+    bs = t.shape[2]
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"{name}'s block_size (dim 2) must be a power of two >= 16, got {bs}")
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -242,8 +298,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, positions: torch.Tensor, n_heads: int, n_kv: int, head_dim: int
-                  ) -> torch.Tensor:
+                  v_cache: torch.Tensor, positions: torch.Tensor, n_heads: int, n_kv: int, head_dim: int,
+                  block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Decode step, one token per row. qkv: [B, (n_heads + 2*n_kv) * head_dim] (q heads, then k heads, then v heads,
     each head_dim wide; row stride may exceed the width). cos, sin: [B, head_dim] in qkv's dtype, where `sin` is
     SIGN-FOLDED: sin_folded = cat(-s[:half], s[half:]) so that rope(x) = x*cos + swap_halves(x)*sin_folded, with
@@ -254,6 +310,12 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
     Positions must lie in [0, T): the Triton kernel skips the cache write of a row whose
     position does not (it cannot raise without a host sync); the reference raises.
+
+    With ``block_table`` ([rows >= B, max_blocks] int32, contiguous, on qkv's device) the caches
+    are paged: k_cache, v_cache [num_blocks, n_kv, block_size, head_dim] contiguous, block_size a
+    power of two >= 16, and row b's k and v go to [block_table[b, p // block_size], :, p % block_size, :]
+    with p = positions[b]; positions must lie in [0, max_blocks * block_size) (skipped / raises as
+    above). The table's entries must be block indices < num_blocks (not checked: they live on the device).
     """
     for name, n in (("n_heads", n_heads), ("n_kv", n_kv), ("head_dim", head_dim)):
         if not isinstance(n, int) or n < 1:
@@ -272,7 +334,9 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         _check_like(name, t, "qkv", qkv)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_float(name, t)
-        if t.dim() != 4 or t.shape[0] < B or t.shape[1] != n_kv or t.shape[3] != head_dim:
+        if block_table is not None:
+            _check_paged_cache(name, t, n_kv, head_dim)
+        elif t.dim() != 4 or t.shape[0] < B or t.shape[1] != n_kv or t.shape[3] != head_dim:
             raise ValueError(f"{name} must be [slots >= {B}, {n_kv}, T, {head_dim}], got {tuple(t.shape)}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
@@ -283,13 +347,16 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         raise ValueError(f"positions must be an int64 tensor of shape ({B},), got {_describe(positions)}")
     if positions.device != qkv.device:
         raise ValueError(f"positions must be on qkv's device {qkv.device}, got {positions.device}")
+    if block_table is not None:
+        _check_block_table(block_table, B, "qkv", qkv)
     if not available(qkv.device):
-        return _ref_rope_store_kv(qkv, cos, sin, k_cache, v_cache, positions, n_heads, n_kv, head_dim)
-    return _launch_rope_store_kv(qkv, cos, sin, k_cache, v_cache, positions, n_heads, n_kv, head_dim)
+        return _ref_rope_store_kv(qkv, cos, sin, k_cache, v_cache, positions, n_heads, n_kv, head_dim, block_table)
+    return _launch_rope_store_kv(qkv, cos, sin, k_cache, v_cache, positions, n_heads, n_kv, head_dim, block_table)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     kv_len: int, window: int, scale: float) -> torch.Tensor:
+                     kv_len: int, window: int, scale: float, block_table: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """One decode step's attention, flash-decoding style (key slices in parallel, then a merge).
 
     q: [B, n_heads, head_dim] contiguous (as `rope_store_kv` returns it); k_cache, v_cache:
@@ -298,6 +365,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     is >= kv_len is the engine's padding: it reads every key, so that it stays finite (it
     writes the cache too, and a NaN there would poison the slot's next user). head_dim must
     be a power of two >= 16. Returns [B, n_heads, head_dim] in q's dtype.
+
+    With ``block_table`` ([rows >= B, max_blocks] int32, contiguous, on q's device) the caches
+    are paged: [num_blocks, n_kv, block_size, head_dim] contiguous, block_size a power of two
+    >= 16, and row b's key p is k_cache[block_table[b, p // block_size], :, p % block_size, :]
+    (same masks, same result as the static cache holding the same keys); kv_len <= max_blocks *
+    block_size. The entries of the keys a row reads must be block indices < num_blocks (not
+    checked: they live on the device); entries no sequence owns may point to a null block of
+    finite values.
     """
     _check_float("q", q)
     if q.dim() != 3 or not q.is_contiguous():
@@ -305,7 +380,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     B, H, Dh = q.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _check_float(name, t)
-        if t.dim() != 4 or t.shape[0] < B or t.shape[3] != Dh or not t.is_contiguous():
+        if block_table is not None:
+            _check_paged_cache(name, t, None, Dh)
+        elif t.dim() != 4 or t.shape[0] < B or t.shape[3] != Dh or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [slots >= {B}, n_kv, T, {Dh}] tensor, got {_describe(t)}")
         _check_like(name, t, "q", q)
     if v_cache.shape != k_cache.shape:
@@ -314,15 +391,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"n_heads={H} is not a multiple of the cache's n_kv={k_cache.shape[1]}")
     if Dh < 16 or Dh & (Dh - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {Dh}")
-    if not isinstance(kv_len, int) or not 0 < kv_len <= k_cache.shape[2]:
-        raise ValueError(f"kv_len must be an int in [1, {k_cache.shape[2]}], got {kv_len!r}")
+    if block_table is not None:
+        _check_block_table(block_table, B, "q", q)
+        max_len, bound = block_table.shape[1] * k_cache.shape[2], " (max_blocks * block_size)"
+    else:
+        max_len, bound = k_cache.shape[2], ""
+    if not isinstance(kv_len, int) or not 0 < kv_len <= max_len:
+        raise ValueError(f"kv_len must be an int in [1, {max_len}]{bound}, got {kv_len!r}")
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
     if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 or positions.shape != (B,):
         raise ValueError(f"positions must be an int64 tensor of shape ({B},), got {_describe(positions)}")
     if not available(q.device):
-        return _ref_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
-    return _launch_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale))
+        return _ref_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale), block_table)
+    return _launch_decode_attention(q, k_cache, v_cache, positions, kv_len, window, float(scale),
+                                    block_table=block_table)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -55,12 +55,15 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kv_kernel(QKV, COS, SIN, K_CACHE, V_CACHE, POS, Q_OUT, stride_qkv, stride_cos, stride_sin,
-                              T, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                              BLOCK_HALF: tl.constexpr):
+                              T, BT, stride_bt, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              BLOCK_HALF: tl.constexpr, PAGED: tl.constexpr, KV_BLOCK: tl.constexpr):
         # Grid (rows, q heads + k heads). Each program ropes one head, as two halves:
         # out_lo = x_lo*cos_lo + x_hi*sin_lo, out_hi = x_hi*cos_hi + x_lo*sin_hi (sin sign-folded).
         # A q head goes to Q_OUT; a k head goes into the cache at the row's position, and
         # the program also copies the matching v head there.
+        # PAGED: the caches are [blocks, N_KV, KV_BLOCK, HEAD_DIM] and row b's position p is
+        # offset p % KV_BLOCK of block BT[b, p // KV_BLOCK] (T = max_blocks * KV_BLOCK);
+        # otherwise BT, stride_bt are None and KV_BLOCK is unused.
         HALF: tl.constexpr = HEAD_DIM // 2
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -84,7 +87,11 @@ if triton is not None:
         else:
             pos = tl.load(POS + b)
             if (pos >= 0) & (pos < T):  # an out-of-range position writes nothing
-                off = ((b * N_KV + (h - N_HEADS)) * T + pos) * HEAD_DIM
+                if PAGED:
+                    blk = tl.load(BT + b * stride_bt + pos // KV_BLOCK).to(tl.int64)
+                    off = ((blk * N_KV + (h - N_HEADS)) * KV_BLOCK + pos % KV_BLOCK) * HEAD_DIM
+                else:
+                    off = ((b * N_KV + (h - N_HEADS)) * T + pos) * HEAD_DIM
                 tl.store(K_CACHE + off + d, out_lo, mask=mask)
                 tl.store(K_CACHE + off + HALF + d, out_hi, mask=mask)
                 v_src = src + N_KV * HEAD_DIM  # v head j sits n_kv heads after k head j
@@ -95,9 +102,10 @@ if triton is not None:
     # The runtime ints are not specialised on (Triton would compile a variant per divisibility
     # by 16 of each): one compiled kernel serves every batch size, key length and split count.
     @triton.jit(do_not_specialize=["T", "kv_len", "window", "n_split"])
-    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, window, scale, n_split,
-                                  N_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def _decode_attn_split_kernel(Q, K, V, POS, M_OUT, L_OUT, ACC_OUT, T, kv_len, window, scale, n_split, BT,
+                                  stride_bt, N_KV: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                                  PAGED: tl.constexpr, KV_BLOCK: tl.constexpr):
         # Flash-decoding, part 1. Grid (rows * kv heads, splits): the G query heads that share
         # one kv head attend to one slice of its keys with an online softmax; writes the
         # slice's running max, sum and unnormalised output (fp32). Causal (key <= position)
@@ -111,6 +119,10 @@ if triton is not None:
         # and still faster than the same products on the CUDA cores, or than the batched matmuls
         # (bench/kernel_sweep.py): the step is bound by reading the keys and values, which the
         # pipelined loop keeps in flight.
+        # PAGED: K, V are [blocks, N_KV, KV_BLOCK, HEAD_DIM] and row b's key n is offset
+        # n % KV_BLOCK of block BT[b, n // KV_BLOCK]. BLOCK_N divides KV_BLOCK and every key
+        # block starts at a multiple of BLOCK_N, so a key block lies in one cache block: one
+        # table load per key block. Otherwise BT, stride_bt are None and KV_BLOCK is unused.
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = bh // N_KV
@@ -135,8 +147,15 @@ if triton is not None:
         for n0 in tl.range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             live = n < end
-            k = tl.load(K + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(V + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+            if PAGED:
+                blk = tl.load(BT + b * stride_bt + n0 // KV_BLOCK).to(tl.int64)
+                tile = ((blk * N_KV + h) * KV_BLOCK + n0 % KV_BLOCK + tl.arange(0, BLOCK_N)[:, None]) * HEAD_DIM \
+                    + d[None, :]
+                k = tl.load(K + tile, mask=live[:, None], other=0.0)
+                v = tl.load(V + tile, mask=live[:, None], other=0.0)
+            else:
+                k = tl.load(K + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+                v = tl.load(V + kv_base + n[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
             if IEEE:  # an fp32 cache: full-precision dots (Triton's default would round to tf32)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
