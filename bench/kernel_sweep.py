@@ -107,6 +107,18 @@ def sweep_gemv(dtype: torch.dtype) -> dict:
     return {"shapes": out, "step": step}
 
 
+def attention_case(B: int, H: int, n_kv: int, L: int, spread: bool, Dh: int, dtype: torch.dtype
+                   ) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """One attention case's static caches (one per layer), queries and positions: every row at
+    L - 1, or (spread) rows spread evenly up to it."""
+    caches = [(torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype),
+               torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
+    q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
+    pos = (torch.tensor([L * (i + 1) // B - 1 for i in range(B)], device="cuda") if spread
+           else torch.full((B,), L - 1, device="cuda", dtype=torch.int64))
+    return caches, q, pos
+
+
 def sweep_attention(dtype: torch.dtype) -> dict:
     """Per case: the batched matmuls reading up to kv_len (the bucket), the Triton attention
     at each config with kv_len, and its defaults again with kv_len = the whole cache (one
@@ -116,11 +128,7 @@ def sweep_attention(dtype: torch.dtype) -> dict:
     out = {}
     Dh = 128
     for name, B, H, n_kv, L, spread in ATTN_CASES:
-        caches = [(torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype),
-                   torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
-        q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
-        pos = (torch.tensor([L * (i + 1) // B - 1 for i in range(B)], device="cuda") if spread
-               else torch.full((B,), L - 1, device="cuda", dtype=torch.int64))
+        caches, q, pos = attention_case(B, H, n_kv, L, spread, Dh, dtype)
         keys = torch.arange(L, device="cuda")
         mask = torch.zeros(B, L, device="cuda", dtype=dtype).masked_fill_(keys[None, :] > pos[:, None], float("-inf"))
         mask = mask[:, None, None].expand(B, n_kv, H // n_kv, L).reshape(-1, H // n_kv, L)
@@ -165,11 +173,7 @@ def sweep_paged_attention(dtype: torch.dtype) -> dict:
     out = {}
     Dh = 128
     for name, B, H, n_kv, L, spread in ATTN_CASES:
-        caches = [(torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype),
-                   torch.randn(B, n_kv, T_CACHE, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
-        q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
-        pos = (torch.tensor([L * (i + 1) // B - 1 for i in range(B)], device="cuda") if spread
-               else torch.full((B,), L - 1, device="cuda", dtype=torch.int64))
+        caches, q, pos = attention_case(B, H, n_kv, L, spread, Dh, dtype)
         scale = Dh ** -0.5
         want = ops._ref_decode_attention(q, *caches[0], pos, L, 0, scale)
 
