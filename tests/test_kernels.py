@@ -628,6 +628,20 @@ def test_gpu_kernels_match_reference(monkeypatch, B, dtype):
     assert torch.equal(vc, ref_vc)
 
 
+def _captured(step):
+    """``step`` run once on a side stream (its kernels compile there, off the capture, as torch's
+    docs do), then captured: (the graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_kernels_in_cuda_graph(monkeypatch, dtype):
@@ -641,14 +655,7 @@ def test_gpu_kernels_in_cuda_graph(monkeypatch, dtype):
         return ops.add_rms_norm(x, r, w, EPS), ops.silu_mul(gate_up), \
             ops.rope_store_kv(qkv, cos, sin, kc, vc, pos, H, Hkv, Dh)
 
-    side = torch.cuda.Stream()  # warm up (compiles) off the capture, as torch's docs do
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        (normed, summed), act, q = step()
+    graph, ((normed, summed), act, q) = _captured(step)
 
     for seed in (10, 11):  # new inputs and positions each replay
         x2, r2, _ = _norm_inputs((B, D), dtype, device="cuda", seed=seed)
@@ -953,14 +960,7 @@ def test_gpu_paged_kernels_in_cuda_graph(monkeypatch, bs):
         q_out = ops.rope_store_kv(qkv, cos, sin, kp, vp, pos, H, Hkv, Dh, block_table=table)
         return q_out, ops.decode_attention(q, kp, vp, pos, kv_len, 0, Dh**-0.5, block_table=table)
 
-    side = torch.cuda.Stream()  # warm up (compiles) off the capture
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q_out, out = step()
+    graph, (q_out, out) = _captured(step)
 
     for seed in (20, 21):  # every row's blocks distinct (a shuffle of 1..num_blocks-1), the last row padding
         g = _gen(seed)
