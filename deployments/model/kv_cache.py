@@ -10,6 +10,27 @@ from deployments.model.config import ModelConfig
 from weights.segments import one_segment as plain_segment
 
 
+def _allocate(cfg: ModelConfig, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              one_segment: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's keys and values of ``shape``: (the one tensor, each layer's k, each layer's v).
+
+    Zeros, not empty: a never-written position must hold finite values, since masked-out scores
+    still multiply it (0 * NaN = NaN). One allocation and one memset for every layer's keys and
+    values, each layer's k and v a contiguous view of it; made as one plain segment where the
+    allocator uses expandable segments, which map it piece by piece (weights.segments.one_segment,
+    which changes the allocator's settings for the whole process while it runs: a small cache made
+    beside other allocations passes one_segment=False)."""
+    with plain_segment(torch.device(device)) if one_segment else contextlib.nullcontext():
+        data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
+    return data, list(data[0].unbind(0)), list(data[1].unbind(0))
+
+
+def _bytes(cfg: ModelConfig, positions: int, dtype: torch.dtype) -> int:
+    """Every layer's keys and values for ``positions`` positions."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * positions * cfg.head_dim * itemsize
+
+
 class KVCache:
     """Static KV cache: per layer k and v of shape [slots, n_kv_heads, max_seq_len, head_dim]."""
 
@@ -18,17 +39,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype, device: torch.device,
                  one_segment: bool = True):
         shape = (max_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
-        # zeros, not empty: a never-written position must hold finite values, since masked-out
-        # scores still multiply it (0 * NaN = NaN). One allocation and one memset for every
-        # layer's keys and values, each layer's k and v a contiguous view of it; made as one plain
-        # segment where the allocator uses expandable segments, which map it piece by piece
-        # (weights.segments.one_segment, which changes the allocator's settings for the whole
-        # process while it runs: a small cache made beside other allocations passes
-        # one_segment=False)
-        with plain_segment(torch.device(device)) if one_segment else contextlib.nullcontext():
-            self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
-        self.k = list(self.data[0].unbind(0))
-        self.v = list(self.data[1].unbind(0))
+        self.data, self.k, self.v = _allocate(cfg, shape, dtype, device, one_segment)
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
 
     def zero_(self) -> None:
@@ -42,8 +53,7 @@ class KVCache:
 
     @staticmethod
     def bytes_needed(cfg: ModelConfig, max_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * max_slots * cfg.num_key_value_heads * max_seq_len * cfg.head_dim * itemsize
+        return _bytes(cfg, max_slots * max_seq_len, dtype)
 
 
 class PagedKVCache:
@@ -67,10 +77,7 @@ class PagedKVCache:
         if num_blocks < 2:
             raise ValueError(f"a paged KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
-        with plain_segment(torch.device(device)) if one_segment else contextlib.nullcontext():
-            self.data = torch.zeros((2, cfg.num_hidden_layers, *shape), dtype=dtype, device=device)
-        self.k = list(self.data[0].unbind(0))
-        self.v = list(self.data[1].unbind(0))
+        self.data, self.k, self.v = _allocate(cfg, shape, dtype, device, one_segment)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
         self.blocks_per_seq = -(-max_seq_len // block_size)
@@ -122,5 +129,4 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * block_size * cfg.head_dim * itemsize
+        return _bytes(cfg, block_size, dtype)
