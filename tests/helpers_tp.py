@@ -9,7 +9,6 @@ a rank's exception fails the call with the rank's traceback. ``rank_model_runs``
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -18,11 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deployments.server.ranks import free_port
 
 
 def run_ranks(world: int, fn: Callable[[Any], None], payload: Any) -> None:

@@ -31,7 +31,9 @@ READY_TIMEOUT_S = 900  # a rank's whole start, its process's included (a 70B's s
 STOP_TIMEOUT_S = 5
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a process group's store; another process may still
+    take it before the store binds it)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -109,7 +111,7 @@ class Ranks:
             log.info("a tensor-parallel replica runs its ranks as Ray actors: starting a local Ray")
             ray.init()
         host = ray.util.get_node_ip_address()
-        rendezvous = f"tcp://{host}:{_free_port(host)}"
+        rendezvous = f"tcp://{host}:{free_port(host)}"
         pg = get_current_placement_group()
         n = args.tp
         if pg is not None and len(pg.bundle_specs) < n:

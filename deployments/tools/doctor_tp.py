@@ -13,10 +13,10 @@ NCCL group whose all-reduce runs inside every decode step. Three rows:
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
+from deployments.server.ranks import free_port
 from deployments.tools.check import Check, DoctorOptions
 
 GROUP_WARN_S = 10.0  # a group's start beyond this is the node's (NCCL's topology search, a slow interface)
@@ -57,12 +57,6 @@ def check_tp_peers(opts: DoctorOptions, torch: Any, no_gpu: Any) -> Check:
     return Check(name, "ok", f"every pair of the {n} GPUs accesses the other's memory directly", "", data)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, n: int, port: int, backend: str, out: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -90,7 +84,7 @@ def check_tp_group(opts: DoctorOptions, torch: Any, no_gpu: Any, timeout_s: floa
     backend = "nccl" if gpus else "gloo"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     procs = [ctx.Process(target=_rank, args=(k, n, port, backend, out), daemon=True) for k in range(n)]
     for p in procs:
