@@ -204,16 +204,20 @@ class Engine:
             self._ready.set()
             s.fail_all("error", e)
 
+    def _may_launch(self) -> bool:
+        """Whether this thread may queue device work: only the loop thread while it is healthy
+        (after a device error, or from ``shutdown``, nothing more is launched)."""
+        return self.error is None and threading.current_thread() is self._thread
+
     def _zero_slot(self, slot: int, upto: int) -> None:
-        """A retired sequence's cache positions back to zero: only from the loop thread while it
-        is healthy (after a device error, or from ``shutdown``, nothing more is launched)."""
-        if self.error is None and threading.current_thread() is self._thread:
+        """A retired sequence's cache positions back to zero (``_may_launch``)."""
+        if self._may_launch():
             self.runner.zero_slot(slot, min(upto, self.config.max_seq_len))
 
     def _release(self, slot: int, blocks: list[int]) -> None:
-        """A paged cache's blocks back from a retired sequence (as ``_zero_slot``: only from a
-        healthy loop thread; the pool takes them back whatever happens here)."""
-        if self.error is None and threading.current_thread() is self._thread:
+        """A paged cache's blocks back from a retired sequence (``_may_launch``; the pool takes
+        them back whatever happens here)."""
+        if self._may_launch():
             self.runner.release(slot, blocks)
 
     def _prefill_turn(self) -> None:

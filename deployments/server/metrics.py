@@ -104,12 +104,13 @@ class Metrics:
                 self._ray["gpu"].set(v, tags={"kind": kind})
             self._ray["retries"].set(ratio)
 
-    def sample_kv(self, engine_stats: dict) -> None:
-        """A paged KV cache's blocks in use and free (nothing for a static cache)."""
-        if "kv_blocks" not in engine_stats or not self._ray:
+    def sample_kv(self, blocks: Any) -> None:
+        """A paged KV cache's blocks (``deployments.engine.blocks.BlockPool``; None for a static
+        cache) in use and free."""
+        if blocks is None or not self._ray:
             return
-        free = engine_stats["kv_blocks_free"]
-        self._ray["kv"].set(float(engine_stats["kv_blocks"] - free), tags={"state": "used"})
+        free = blocks.free
+        self._ray["kv"].set(float(blocks.capacity - free), tags={"state": "used"})
         self._ray["kv"].set(float(free), tags={"state": "free"})
 
     def snapshot(self) -> dict:

@@ -99,7 +99,7 @@ class LLMServer:
         if err:
             raise RuntimeError(err)
         self.metrics.sample_gpu(self.device)
-        self.metrics.sample_kv(self.engine.stats())
+        self.metrics.sample_kv(self.engine.blocks)
         # The graphs of the batch sizes the warm-up did not use (engine.lazy_graphs): captured by
         # the engine's loop whenever it is idle from the first health check that passed on. Not
         # at the end of the warm-up: Ray's first health check comes right after it, and would
