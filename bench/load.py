@@ -216,6 +216,17 @@ def run(kind: str, target: str, *extra: str, cold: bool = False, tree: Path = RO
     return r
 
 
+def cold_pairs(packed: Path, n: int, disk_args: tuple[str, ...] = ("16",)) -> list[dict]:
+    """``n`` cold loads of ours, each right after a cold read of the same file by the disk-rate
+    probe (``disk_args``: its threads), and each load's ratio to that read."""
+    pairs = []
+    for _ in range(n):
+        d = run("disk", str(packed), *disk_args, cold=True)
+        o = run("ours", str(packed), "{}", cold=True)
+        pairs.append({"disk": d, "ours": o, "ratio": o["GBps"] / d["GBps"]})
+    return pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="/tmp/coldstart-bench")
@@ -282,11 +293,7 @@ def main() -> None:
     # the shared disk's rate drifts by +-15 % within minutes: each cold load of ours is paired
     # with a cold disk read (the better pattern above) right before it, and the goal is judged
     # on the median of the pairs' ratios
-    res["cold_pairs"] = []
-    for _ in range(a.cold_pairs):
-        d = run("disk", str(packed), *disk_args, cold=True)
-        o = run("ours", str(packed), "{}", cold=True)
-        res["cold_pairs"].append({"disk": d, "ours": o, "ratio": o["GBps"] / d["GBps"]})
+    res["cold_pairs"] = cold_pairs(packed, a.cold_pairs, disk_args)
     res["ours_cold_runs"] = [p["ours"] for p in res["cold_pairs"]]
     res["cold_sweep"] = []
     if a.cold_sweep:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.load import drop_caches, run, warm_cache  # noqa: E402
+from bench.load import cold_pairs, drop_caches, run, warm_cache  # noqa: E402
 
 
 def split_pack(work: Path, shape: str, tp: int, layers: int | None, device: str = "cuda") -> tuple[Path, dict]:
@@ -53,11 +53,7 @@ def rank_load(a: argparse.Namespace) -> dict:
     print(f"rank 0 of {dest}: {res['rank_file_GB']:.1f} GB", flush=True)
     warm_cache(rank0)
     res["warm"] = [run("ours", str(rank0), "{}") for _ in range(a.repeats)]
-    res["cold_pairs"] = []
-    for _ in range(a.cold_pairs):
-        d = run("disk", str(rank0), "16", cold=True)
-        o = run("ours", str(rank0), "{}", cold=True)
-        res["cold_pairs"].append({"disk": d, "ours": o, "ratio": o["GBps"] / d["GBps"]})
+    res["cold_pairs"] = cold_pairs(rank0, a.cold_pairs)
     res["summary"] = {
         "rank_file_GB": res["rank_file_GB"],
         "warm_GBps": statistics.median(r["GBps"] for r in res["warm"]),
