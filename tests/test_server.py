@@ -343,7 +343,8 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
                 out[kind] = c.post("/generate", json={"prompt": "go", "max_new_tokens": 1000, "ignore_eos": True})
             else:
                 with c.stream("POST", "/v1/chat/completions", json={
-                        "messages": [{"role": "user", "content": "go"}], "max_tokens": 1000, "stream": True}) as r:
+                        "messages": [{"role": "user", "content": "go"}], "max_tokens": 1000, "stream": True,
+                        "ignore_eos": True}) as r:
                     out[kind] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
         threads = [threading.Thread(target=ask, args=(k,)) for k in ("plain", "stream")]
         for t in threads:
@@ -351,6 +352,7 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
         deadline = time.time() + 30
         while s.engine.stats()["running"] < 2 and time.time() < deadline:
             time.sleep(0.01)
+        assert s.engine.stats()["running"] == 2, "both requests should be generating when the replica stops"
         s.shutdown()
         for t in threads:
             t.join(timeout=30)
