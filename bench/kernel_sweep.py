@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deployments.kernels import ops, policy  # noqa: E402
-from deployments.model.llama import matmul_decode_attention  # noqa: E402
+from deployments.model.attention import matmul_decode_attention  # noqa: E402
 
 LAYERS = 32
 # (name, N, K, copies): the 7B's batch-1 products; lm_head once per step

@@ -843,7 +843,8 @@ def test_self_test_says_why_without_cuda():
 @pytest.mark.parametrize("window", [0, 5])
 def test_decode_attention_reference_matches_the_models_attention(window):
     """The reference equals the model's batched-matmul decode attention (the torch path)."""
-    from deployments.model.llama import Attention, ModelConfig
+    from deployments.model.attention import Attention
+    from deployments.model.config import ModelConfig
 
     B, H, Hkv, Dh, T, L = 3, 8, 2, 16, 40, 32
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": H * Dh,

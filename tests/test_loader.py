@@ -236,8 +236,8 @@ def test_gpu_held_load_copies_only_after_release(small_hf, tmp_path):
 @gpu
 def test_gpu_torch_copy_path_bit_exact(small_hf, tmp_path, monkeypatch):
     # the path taken where libcudart cannot be bound: torch's own copies and events
-    from weights import loader
-    monkeypatch.setattr(loader, "_cudart", lambda: None)
+    from weights import stream
+    monkeypatch.setattr(stream, "cudart", lambda: None)
     dest = pack(small_hf, tmp_path / "p", PackOptions(chunk_bytes=65536, progress=False))
     m = load(dest, "cuda", options=LoadOptions(threads=4, read_bytes=65536))
     for name, t in _source(small_hf).items():

@@ -5,7 +5,7 @@ GPU path: one ``torch.empty(data_bytes, uint8)`` on the device; reader threads
 (``slots_per_thread`` slots per thread, pinned by each thread itself so the
 pinning runs in parallel; tens of MB, not the seconds a whole-model pinned
 buffer would cost) and each thread copies its slot to the device on its own
-CUDA stream, overlapping its next read. ``preadv`` and the ctypes CUDA calls
+CUDA stream, overlapping its next read (``weights.stream``). ``preadv`` and the ctypes CUDA calls
 (``weights.cudart``) release the GIL, so the threads really run in parallel.
 As soon as a group of chunks has landed, a verifier thread computes their
 checksums on the device (two reductions, milliseconds) on its own stream; the
@@ -35,8 +35,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import checksum, readahead
-from .format import DTYPES, PackedFile, PackedFormatError, check_side_files, read_json, read_packed
+from . import checksum, readahead, stream
+from .format import DTYPES, PackedFile, check_side_files, read_json, read_packed
 from .options import LoadOptions
 from .segments import one_segment
 from .timing import PhaseTimer
@@ -257,16 +257,7 @@ def _views(packed: PackedFile, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _verify(packed: PackedFile, data: torch.Tensor) -> None:
-    _check_sums(packed, checksum.chunk_sums_tensor(data, packed.index.chunk_bytes))
-
-
-def _check_sums(packed: PackedFile, got: torch.Tensor) -> None:
-    """Compare computed chunk sums ``[n, 2]`` with the index; name the first bad chunk."""
-    bad = checksum.first_mismatch(got, checksum.as_signed(packed.index.chunk_sums))
-    if bad is not None:
-        raise PackedFormatError(
-            f"{packed.path}: checksum mismatch in {packed.describe_chunk(bad)}; the file is "
-            "corrupt: re-copy or re-pack the model (coldstart verify names every bad chunk)")
+    stream.check_sums(packed, checksum.chunk_sums_tensor(data, packed.index.chunk_bytes))
 
 
 def _load_cpu(packed: PackedFile, opts: LoadOptions, timer: PhaseTimer) -> torch.Tensor:
@@ -307,12 +298,12 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         if o.readahead and not o.direct_io:
             readahead.prefetch(packed.path)
         torch.cuda.set_device(dev)
-        rt = _cudart()
-        verifier = _Verifier(packed, buffer, dev) if o.verify else None
+        rt = stream.cudart()
+        verifier = stream.DeviceVerifier(packed, buffer, dev) if o.verify else None
         # no device-wide sync in these phases: other threads may be using the GPU meanwhile;
-        # every copy has been waited for (its event) when _stream_into returns
+        # every copy has been waited for (its event) when stream_into returns
         with timer.phase("read_copy", nbytes=n):
-            _stream_into(packed, buffer, dev, o, rt, verifier)
+            stream.stream_into(packed, buffer, dev, o, rt, verifier)
         if verifier is not None:
             # the sums of most chunks were computed while later ones were still loading;
             # this phase is only what was left when the last byte arrived
@@ -331,212 +322,3 @@ def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:
              100 * frac, packed.path, opts.cold_threads, opts.cold_read_bytes >> 20)
     return opts.model_copy(update={"threads": opts.cold_threads, "read_bytes": opts.cold_read_bytes,
                                    "direct_io": opts.direct_io or opts.cold_direct_io})
-
-
-_RT: list = []
-
-
-def _cudart():
-    """libcudart through ctypes (GIL-free copies), found once; None -> torch calls."""
-    if not _RT:
-        from .cudart import CudaRT
-        rt = CudaRT.shared()
-        if rt is None:
-            log.warning("libcudart not found in this process: loading through torch's copy calls, "
-                        "which hold the GIL per piece (slower with many threads)")
-        _RT.append(rt)
-    return _RT[0]
-
-
-class _Verifier:
-    """Checks groups of chunks on the device as soon as all their bytes have landed.
-
-    Runs in its own thread and CUDA stream while the readers go on, so for all
-    but the last group the check costs no wall time.
-    """
-
-    GROUP = 32  # chunks per reduction: 512 MiB with 16 MiB chunks
-
-    def __init__(self, packed: PackedFile, buffer: torch.Tensor, dev: torch.device):
-        self.packed, self.buffer, self.dev = packed, buffer, dev
-        self.cb = packed.index.chunk_bytes
-        self.n_chunks = len(packed.index.chunk_sums)
-        self.sums = torch.empty((self.n_chunks, 2), dtype=torch.int64, device=dev)
-        self.landed = 0  # bytes [0, landed) are on the device
-        self.cond = threading.Condition()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="coldstart-verify", daemon=True)
-        self.thread.start()
-
-    def advance(self, upto: int) -> None:
-        with self.cond:
-            if upto > self.landed:
-                self.landed = upto
-                self.cond.notify_all()
-
-    def abort(self) -> None:
-        self.advance(1 << 62)
-
-    def _run(self) -> None:
-        try:
-            torch.cuda.set_device(self.dev)
-            stream = torch.cuda.Stream(self.dev)
-            with torch.cuda.stream(stream):
-                # load the reduction kernels now, not when the last byte has arrived
-                checksum.chunk_sums_tensor(torch.zeros(4096, dtype=torch.uint8, device=self.dev), 4096)
-                for first in range(0, self.n_chunks, self.GROUP):
-                    k = min(self.GROUP, self.n_chunks - first)
-                    end = min((first + k) * self.cb, self.packed.data_bytes)
-                    with self.cond:
-                        self.cond.wait_for(lambda: self.landed >= end)
-                    self.sums[first:first + k] = checksum.chunk_sums_tensor(
-                        self.buffer, self.cb, first, k)
-            stream.synchronize()
-        except BaseException as e:  # reported by finish()
-            self.error = e
-
-    def finish(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        _check_sums(self.packed, self.sums)
-
-
-class _Slots:
-    """One reader thread's pinned staging slots, stream and copies.
-
-    With libcudart (``rt``) every call is a ctypes call that drops the GIL;
-    otherwise the same steps go through torch.
-    """
-
-    def __init__(self, rt, dev: torch.device, buffer: torch.Tensor, n: int, step: int):
-        self.rt, self.buffer = rt, buffer
-        self.stream = torch.cuda.Stream(dev)
-        if rt is not None:
-            from .cudart import host_view
-            rt.set_device(dev.index)
-            self.ptrs = [rt.host_alloc(step) for _ in range(n)]
-            self.views = [host_view(p, step) for p in self.ptrs]
-            self.events = [rt.event() for _ in range(n)]
-            self.handle = self.stream.cuda_stream
-            self.base = buffer.data_ptr()
-        else:
-            self.tensors = [torch.empty(step, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
-            self.views = [memoryview(t.numpy()) for t in self.tensors]
-            self.events = [torch.cuda.Event() for _ in range(n)]
-        self.pending: list[int | None] = [None] * n  # end offset of the copy in flight per slot
-
-    def wait(self, s: int) -> int | None:
-        """Wait until slot ``s`` is free; returns the end offset of the copy that freed it."""
-        end, self.pending[s] = self.pending[s], None
-        if end is not None:
-            if self.rt is not None:
-                self.rt.wait(self.events[s])
-            else:
-                self.events[s].synchronize()
-        return end
-
-    def copy(self, s: int, off: int, length: int) -> None:
-        if self.rt is not None:
-            self.rt.copy_h2d(self.base + off, self.ptrs[s], length, self.handle)
-            self.rt.record(self.events[s], self.handle)
-        else:
-            with torch.cuda.stream(self.stream):
-                self.buffer[off: off + length].copy_(self.tensors[s][:length], non_blocking=True)
-                self.events[s].record(self.stream)
-        self.pending[s] = off + length
-
-    def close(self) -> None:
-        if self.rt is not None:
-            for e in self.events:
-                self.rt.destroy(e)
-            for p in self.ptrs:
-                self.rt.free_host(p)
-
-
-def _stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
-                 rt, verifier: "_Verifier | None") -> None:
-    n, step = packed.data_bytes, opts.read_bytes
-    pieces = [(off, min(step, n - off)) for off in range(0, n, step)]
-    nthreads = min(opts.threads, len(pieces))
-    fd, direct = _open(packed.path, opts.direct_io)
-    errors: list[BaseException] = []
-    stop = threading.Event()
-    # piece j goes to thread j % nthreads: together the threads sweep the file front
-    # to back (sequential for a cold disk, and chunks complete roughly in order)
-    done_upto = [0] * nthreads  # per thread: all its pieces below this offset are on the device
-    lock = threading.Lock()
-    all_slots: list[_Slots] = []  # freed after every thread is done: cudaFreeHost can sync the device
-
-    def landed(k: int, end: int | None) -> None:
-        if verifier is None or end is None:
-            return
-        with lock:
-            done_upto[k] = end
-            low = min(done_upto)
-        verifier.advance(low)
-
-    def worker(k: int) -> None:
-        try:
-            torch.cuda.set_device(dev)
-            # each thread pins its own slots: pinning runs in parallel and overlaps reads
-            slots = _Slots(rt, dev, buffer, opts.slots_per_thread, step)
-            with lock:
-                all_slots.append(slots)
-            mine = pieces[k::nthreads]
-            for i, (off, length) in enumerate(mine):
-                if stop.is_set():
-                    return
-                s = i % len(slots.views)
-                landed(k, slots.wait(s))
-                _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
-                slots.copy(s, off, length)
-            for s in range(len(slots.views)):
-                slots.wait(s)
-            landed(k, n)
-        except BaseException as e:  # re-raised in the caller's thread below
-            errors.append(e)
-            stop.set()
-
-    threads = [threading.Thread(target=worker, args=(k,), name=f"coldstart-load-{k}")
-               for k in range(nthreads)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        os.close(fd)
-        for sl in all_slots:
-            sl.close()
-        if errors and verifier is not None:
-            verifier.abort()
-            verifier.thread.join()
-    if errors:
-        raise errors[0]
-def _open(path: Path, direct: bool) -> tuple[int, bool]:
-    """The weight file's descriptor, with O_DIRECT when asked and the filesystem allows it."""
-    if direct and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT), True
-        except OSError as e:  # tmpfs and some network filesystems refuse it
-            log.info("O_DIRECT refused for %s (%s): buffered reads", path, e)
-    return os.open(path, os.O_RDONLY), False
-
-
-def _read_exact(fd: int, slot: memoryview, length: int, offset: int, packed: PackedFile,
-                direct: bool = False) -> None:
-    """Read ``length`` bytes at ``offset`` into the start of ``slot``.
-
-    O_DIRECT needs block-aligned sizes: the read is rounded up to 4 KiB (the slot
-    is a multiple of that and the data region's offsets are 4 KiB-aligned), so it
-    may take in a few bytes of what follows, which are never copied.
-    """
-    want = -(-length // 4096) * 4096 if direct else length
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [slot[done:want]], offset + done)
-        if got == 0:
-            raise PackedFormatError(f"{packed.path}: truncated while loading at byte "
-                                    f"{offset + done}; the file changed after it was opened")
-        done += got
