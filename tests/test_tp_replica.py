@@ -214,3 +214,24 @@ def test_coldstart_serve_refuses_a_split_pack_with_a_bad_rank_before_ray_starts(
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 1 and "rank-1/model.cst: not a coldstart packed file" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "serve run" not in r.stdout
+
+
+def test_rank_0_holds_the_groups_port_from_launch_until_its_store_serves_on_it():
+    """No other process can take the port between rank 0 choosing it (its first step, before
+    torch) and the store serving on it; another rank reaches the store by the address it is given."""
+    import socket
+
+    from deployments.server.ranks import GroupStore
+    ends = GroupStore.listen("127.0.0.1")
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", ends.port))
+        master = ends.store(2)
+        assert ends.listener is None  # the store owns the socket now
+        client = GroupStore.at(ends.address).store(2)
+        client.set("k", "v")
+        assert master.get("k") == b"v"
+    finally:
+        ends.close()
+    v6 = GroupStore.at("tcp://[::1]:29500")
+    assert (v6.host, v6.port, v6.address) == ("::1", 29500, "tcp://[::1]:29500")

@@ -33,10 +33,64 @@ STOP_TIMEOUT_S = 5
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (for a process group's store; another process may still
-    take it before the store binds it)."""
+    take it before the store binds it: a replica holds its port instead, ``GroupStore``)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+JOIN_TIMEOUT_S = 300  # how long a rank waits for the others to join the model's group
+
+
+class GroupStore:
+    """The model's process-group store (torch's TCPStore) at ``tcp://host:port``.
+
+    Rank 0 (``listen``) binds and holds its port from the replica's first step, before torch is
+    imported, so no other process can take it between choosing the port and the store serving it;
+    ``store(rank, world)`` then serves on that socket (rank 0) or connects to it (the others)."""
+
+    def __init__(self, host: str, port: int, listener: socket.socket | None = None):
+        self.host, self.port, self.listener = host, port, listener
+
+    @classmethod
+    def listen(cls, host: str) -> "GroupStore":
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, 0))
+        sock.listen(128)
+        return cls(host, sock.getsockname()[1], sock)
+
+    @classmethod
+    def at(cls, address: str) -> "GroupStore":
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        return cls(host.strip("[]"), int(port))
+
+    @property
+    def address(self) -> str:
+        return f"tcp://[{self.host}]:{self.port}" if ":" in self.host else f"tcp://{self.host}:{self.port}"
+
+    def store(self, world: int) -> Any:
+        import datetime
+
+        from torch.distributed import TCPStore
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        if self.listener is None:
+            return TCPStore(self.host, self.port, world_size=world, is_master=False, timeout=timeout)
+        try:
+            store = TCPStore(self.host, self.port, world_size=world, is_master=True, wait_for_workers=False,
+                             timeout=timeout, master_listen_fd=self.listener.fileno())
+            self.listener.detach()  # the store's now: it closes the socket
+            self.listener = None
+            return store
+        except (RuntimeError, TypeError, ValueError) as e:  # a torch whose store cannot take a socket
+            log.info("the process-group store cannot serve on the held port (%s): binding it again", e)
+            self.close()
+            return TCPStore(self.host, self.port, world_size=world, is_master=True, wait_for_workers=False,
+                            timeout=timeout)
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
 
 def _where() -> str:
@@ -93,8 +147,8 @@ class RankWorker:
 class Ranks:
     """Rank 0's view of ranks 1..N-1: launch, wait, health, stats, stop."""
 
-    def __init__(self, actors: list[Any], rendezvous: str):
-        self.actors, self.rendezvous = actors, rendezvous
+    def __init__(self, actors: list[Any], store: GroupStore):
+        self.actors, self.group_store = actors, store  # rank 0's end of the group's store
         self.info: list[dict] = [{"rank": k} for k in range(1, len(actors) + 1)]
         self.loops: list[Any] = []  # each rank's follow() call
 
@@ -110,8 +164,7 @@ class Ranks:
         if not ray.is_initialized():
             log.info("a tensor-parallel replica runs its ranks as Ray actors: starting a local Ray")
             ray.init()
-        host = ray.util.get_node_ip_address()
-        rendezvous = f"tcp://{host}:{free_port(host)}"
+        store = GroupStore.listen(ray.util.get_node_ip_address())
         pg = get_current_placement_group()
         n = args.tp
         if pg is not None and len(pg.bundle_specs) < n:
@@ -126,9 +179,9 @@ class Ranks:
                         "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k)}
             else:
                 opts = {"num_cpus": 1, "num_gpus": 1 if gpu_expected(args.device) else 0}
-            actors.append(worker.options(**opts).remote(start, args.model_dump(), k, rendezvous))
-        log.info("tensor-parallel replica: %d ranks, rank 0 here, group at %s", n, rendezvous)
-        return cls(actors, rendezvous)
+            actors.append(worker.options(**opts).remote(start, args.model_dump(), k, store.address))
+        log.info("tensor-parallel replica: %d ranks, rank 0 here, group at %s", n, store.address)
+        return cls(actors, store)
 
     def ready(self, timer: PhaseTimer) -> None:
         """Wait for every rank's start (up to its runner), then set their loops going; a rank whose
@@ -192,6 +245,7 @@ class Ranks:
             with contextlib.suppress(Exception):
                 ray.kill(a)
         self.actors, self.loops = [], []
+        self.group_store.close()
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

@@ -189,7 +189,8 @@ class Start:
     def start_load(self) -> None:
         from deployments.model import is_native
         from weights import loader
-        check_pack(self.path, self.tp)
+        if self.ranks is None:  # (rank 0 of several checked it before it launched the others)
+            check_pack(self.path, self.tp)
         self._t_load = time.perf_counter()
         self.pending = loader.start_load(self.path, self.device, rank=self.rank if self.tp > 1 else None,
                                          options=self.opts, timer=self.timer, hold=self.trickling)
@@ -239,7 +240,6 @@ class Start:
         from deployments.server.ranks import Ranks
         check_pack(self.path, self.tp)  # before N-1 processes start for nothing
         self.ranks = Ranks.launch(self.args, type(self))
-        self.rendezvous = self.ranks.rendezvous
 
     def join_group(self) -> None:
         """Join the model's process group (NCCL on GPUs, gloo on the CPU) and rank 0's channel; on
@@ -250,10 +250,12 @@ class Start:
         import torch.distributed as dist
 
         from deployments.engine.mirror import Channel
+        from deployments.server.ranks import JOIN_TIMEOUT_S, GroupStore
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=self.rendezvous, world_size=self.tp,
+        ends = self.ranks.group_store if self.ranks is not None else GroupStore.at(self.rendezvous)
+        dist.init_process_group("nccl" if cuda else "gloo", store=ends.store(self.tp), world_size=self.tp,
                                 rank=self.rank, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
         self.group = dist.group.WORLD
         self.channel = Channel.new()
@@ -275,9 +277,6 @@ class Start:
         that failed fails the start, naming its rank."""
         self.channel.send(("load_wait", ()))
         self.ranks.loaded(self.channel.gather(None))
-
-
-JOIN_TIMEOUT_S = 300  # how long a rank waits for the others to join the model's group
 
 
 def check_pack(path: Any, tp: int) -> None:
