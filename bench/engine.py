@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--kv-cache", choices=["static", "paged"], default="static", help="engine.kv_cache")
     ap.add_argument("--kv-block-size", type=int, default=16, help="engine.kv_block_size (paged)")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="engine.prefix_cache off (paged)")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="every prompt begins with the same N tokens (a system prompt) before its own --prompt-len")
     ap.add_argument("--concurrency", type=lambda v: tuple(int(x) for x in v.split(",")), default=(1, 4, 16),
                     help="concurrent requests to time total tokens/s at, e.g. 1,16,64,128 (up to --max-slots)")
     ap.add_argument("--graph-batch-sizes", type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -196,13 +199,16 @@ def main(argv: list[str] | None = None) -> dict:
     max_seq = min(args.max_seq_len, model.max_position_embeddings)
     ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs,
                         kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
+                        prefix_cache=not args.no_prefix_cache,
                         graph_batch_sizes=args.graph_batch_sizes, kv_len_buckets=args.kv_buckets)
     engine = Engine(model, None, ecfg)
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
+    shared = torch.randint(3, vocab, (args.shared_prefix,), generator=gen).tolist()
+
     def prompt() -> list[int]:
-        return torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+        return shared + torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
 
     greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     sync(device)
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "tokens_per_s_b16" in res:
         res["ratio_b16_b1"] = res["tokens_per_s_b16"] / res["tokens_per_s_b1"]
     res["engine_stats"] = engine.stats()  # (paged: kv_blocks, the cache's size in blocks)
-    res["kv_cache"] = args.kv_cache
+    res["kv_cache"], res["shared_prefix"] = args.kv_cache, args.shared_prefix
     engine.shutdown()
     del engine
 

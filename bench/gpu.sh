@@ -91,8 +91,9 @@ for stage in "$@"; do
              if [ "$n" -ge 4 ]; then python3 bench/tp.py serve --out "$out" --shape llama3-70b --tp 4 2>&1 | tail -8
                r=$((r | $?)); fi; (exit $r) ;;
     paged)   # the paged KV cache beside the static one, the engine alone: static with 16 slots (today's
-             # figure) and with 128 of 1024 positions (what fits), paged with 128 of 4096; then the
-             # paged replica through Ray Serve's HTTP front at 64 and 128 concurrent (128 in, 128 out)
+             # figure) and with 128 of 1024 positions (what fits), paged with 128 of 4096, prefix reuse
+             # on and off behind a shared system prompt; then the paged replica through Ray Serve's
+             # HTTP front at 64 and 128 concurrent (128 in, 128 out)
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 16 --concurrency 1,16 \
                --out "$out/engine-static-16.json" 2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+) " | sed 's/^/static16  /'
              python3 bench/engine.py $W/packed --max-seq-len 1024 --no-hf --max-slots 128 --concurrency 32,64,128 \
@@ -100,6 +101,10 @@ for stage in "$@"; do
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
                --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
                | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|capture_warmup_s) " | sed 's/^/paged128  /'
+             for pc in "" --no-prefix-cache; do  # 64 chats behind one 1024-token system prompt
+               python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged $pc \
+                 --shared-prefix 1024 --concurrency 64 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
+                 | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024${pc:+ off} /"; done
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
                --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 | tail -4 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

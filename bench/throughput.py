@@ -5,8 +5,9 @@
 
 Deploys one replica of the application (one GPU, serve_config.yaml's warm-up) with the given
 `args.engine`, then for each concurrency C sends C `/generate` requests at once (prompts of
---prompt-len tokens of the model's own tokenizer, --new-tokens greedy tokens each, end of
-sequence ignored) and times them from the first send to the last answer: total completion
+--prompt-len tokens of the model's own tokenizer, each begun with its own number so that no two
+share a prefix (the paged cache's prefix reuse stays out of the figure, as in the engine's random
+prompts), --new-tokens greedy tokens each, end of sequence ignored) and times them from the first send to the last answer: total completion
 tokens / wall seconds, the figure `bench/engine.py --concurrency` gives for the engine alone
 (run it in the same session: the ratio is what counts on a shared host). Each concurrency runs
 --rounds times; the median counts.
@@ -38,11 +39,12 @@ def prompt_text(packed: Path, n: int) -> str:
 async def burst(url: str, text: str, c: int, new_tokens: int) -> tuple[float, int, int]:
     """(wall seconds, completion tokens, failures) of ``c`` concurrent requests."""
     import httpx
-    body = {"prompt": text, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    bodies = [{"prompt": f"{i}. {text}", "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+              for i in range(c)]
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(client.post(url, json=body) for _ in range(c)), return_exceptions=True)
+        rs = await asyncio.gather(*(client.post(url, json=b) for b in bodies), return_exceptions=True)
         wall = time.perf_counter() - t0
     ok = [r for r in rs if not isinstance(r, BaseException) and r.status_code == 200]
     return wall, sum(r.json()["usage"]["completion_tokens"] for r in ok), c - len(ok)

@@ -74,15 +74,43 @@ def test_bad_cache_shapes_are_refused(kw, msg):
 
 
 def test_the_pool_hands_out_and_takes_back_blocks():
-    p = BlockPool(5, 16)  # blocks 1-4
+    p = BlockPool(5, 16, prefix=False)  # blocks 1-4
     assert (p.capacity, p.free, p.need(17), p.need(16)) == (4, 4, 2, 1)
-    a = p.take(3)
-    assert a == [1, 2, 3] and p.take(2) is None and p.free == 1
-    p.give(a)
-    assert p.free == 4 and sorted(p.take(4)) == [1, 2, 3, 4]
+    a = p.admit(list(range(40)), 48)
+    assert (a.blocks, a.cached, a.clear) == ([1, 2, 3], 0, []) and p.admit([1], 17) is None and p.free == 1
+    p.keep(a.blocks, a.keys)  # (nothing is kept: prefix reuse is off)
+    assert p.give(a.blocks) == [1, 2, 3] and p.free == 4 and p.cached == 0
+    assert sorted(p.admit([1] * 64, 64).blocks) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(20\) needs 5 KV-cache blocks "
                                          r"of 16 positions, but this replica's cache holds 4 \(64 positions\)"):
         p.check(60, 20)
+
+
+def test_the_pool_shares_the_full_blocks_of_a_kept_prefix_and_reuses_them_last():
+    p = BlockPool(7, 4)  # blocks 1-6 of 4 positions
+    sys_prompt = [7, 7, 1, 2, 9, 9, 9, 3]  # two full blocks
+    a = p.admit(sys_prompt + [5, 6, 4], 13)  # 4 blocks, nothing kept yet
+    assert (a.blocks, a.cached) == ([1, 2, 3, 4], 0) and len(a.keys) == 2
+    p.keep(a.blocks, a.keys)  # its prompt is in the cache
+    b = p.admit(sys_prompt + [8], 10)  # shares blocks 1, 2 (held by a too) and takes one more
+    assert (b.blocks, b.cached, b.clear) == ([1, 2, 5], 8, []) and p.free == 1
+    assert p.give(a.blocks) == [3, 4]  # 1, 2 are b's too; 3, 4 held no full prompt block: zeroed
+    assert p.give(b.blocks) == [5] and (p.free, p.cached) == (6, 2)
+    # the same prompt again: its last token is computed (its logits give the first new token)
+    assert p.admit(sys_prompt, 9).cached == 4
+    # a block's key is its whole prefix: the second block's tokens after another first block are no hit
+    assert p.admit([0, 0, 0, 0, 9, 9, 9, 3, 1], 9).cached == 0
+    assert p.counts["prefix_hit_tokens"] == 8 + 4
+
+
+def test_kept_blocks_are_reused_for_other_prompts_last_blocks_first_and_cleared():
+    p = BlockPool(4, 4)  # blocks 1-3
+    a = p.admit(list(range(9)), 9)  # 3 blocks; its two full prompt blocks are kept
+    p.keep(a.blocks, a.keys)
+    assert p.give(a.blocks) == [3] and (p.free, p.cached) == (3, 2)
+    b = p.admit([50, 51], 6)  # 2 blocks: the empty one, then the kept block of the prefix's end
+    assert (b.blocks, b.clear, p.counts["prefix_evictions"]) == ([3, 2], [2], 1)
+    assert p.give(b.blocks) == [3, 2] and p.admit(list(range(9)), 9).cached == 4  # its first block still kept
 
 
 # ----------------------------------------------------------------------------- the engine over it
@@ -133,7 +161,7 @@ def test_a_request_the_cache_can_never_hold_is_refused_with_its_numbers():
 
 def test_cancelled_and_finished_requests_give_their_blocks_back_zeroed():
     hf, cfg = hf_model("llama")
-    eng = _engine(cfg, hf)
+    eng = _engine(cfg, hf, prefix_cache=False)  # (kept prefixes stay filled: the next test)
     with eng:
         h = eng.submit(list(range(3, 40)), SamplingParams(max_new_tokens=50, **GREEDY))
         while not h.admitted_at:
@@ -201,3 +229,26 @@ def test_the_fused_decode_reads_and_writes_through_the_table(attention, tmp_path
                                            kv_cache="paged"))
     with eng:
         assert _run(eng, PROMPTS) == want
+
+
+def test_prompts_that_share_a_prefix_share_its_blocks_and_get_their_own_tokens():
+    """A system prompt's blocks are computed once: later prompts that begin with it (alone, or
+    several at once, one identical to it) prefill only the rest, and each gets the tokens
+    transformers gives it; kept blocks overwritten by other prompts are zeroed first."""
+    hf, cfg = hf_model("llama")
+    system = list(range(3, 38))  # 35 tokens: two full blocks of 16
+    prompts = [system + [40, 41, 42], system + [50] * 20, system, system[:20], system + [60]]
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    eng = _engine(cfg, hf, max_slots=3, kv_blocks=13)  # 12 blocks: a few prompts' worth
+    with eng:
+        assert _run(eng, [prompts[0]], 10) == [want[0]]
+        assert eng.stats()["kv_blocks_cached"] == 2 and eng.stats()["prefix_hit_tokens"] == 0
+        assert _run(eng, prompts[1:], 10) == want[1:]
+        st = eng.stats()
+        assert st["prefix_hit_tokens"] == 32 + 32 + 16 + 32  # (the same prompt: its last block is computed)
+        other = [[90 - i] * 70 for i in range(3)]  # 5 blocks each with their 10 new tokens: kept blocks go
+        assert _run(eng, other, 10) == [hf_greedy(hf, p, 10) for p in other]
+        assert eng.stats()["prefix_evictions"] > 0
+        assert _run(eng, prompts, 10) == want  # over blocks that held other prompts
+        st = eng.stats()
+        assert st["kv_blocks_free"] == st["kv_blocks"] == 12

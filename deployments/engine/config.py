@@ -28,6 +28,10 @@ class EngineConfig(BaseModel):
     kv_blocks: int | None = Field(None, ge=2)
     """Blocks of the paged cache, the null block included; default: what free device memory holds
     beside reserve_bytes (on the CPU: max_slots x max_seq_len positions' worth)."""
+    prefix_cache: bool = True
+    """paged: keep the full blocks of prompts in the cache, and admit a prompt that begins with
+    the same tokens (a chat's system prompt) sharing them, prefilling only the rest; kept blocks
+    are reused for other prompts when no empty one is left. Off: every prompt is computed whole."""
     max_seq_len: int | None = Field(None, ge=2)
     """Prompt + generated tokens per sequence; default min(the model's max_position_embeddings, 4096)."""
     prefill_chunk: int = Field(512, gt=0)

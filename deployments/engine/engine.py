@@ -62,7 +62,8 @@ class Engine:
             from deployments.engine.mirror import Mirrored
             self.runner = Mirrored(self.runner, channel)
         cache = self.runner.cache
-        self.blocks = BlockPool(cache.num_blocks, cache.block_size) if getattr(cache, "paged", False) else None
+        self.blocks = (BlockPool(cache.num_blocks, cache.block_size, cfg.prefix_cache)
+                       if getattr(cache, "paged", False) else None)
         self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot, self.blocks, self.runner.assign,
                                    self._release)
         self.capture_lock = self.runner.capture_lock
@@ -153,8 +154,9 @@ class Engine:
     def stats(self) -> dict:
         s, r = self.scheduler, self.runner
         late = dict(r.stats["late_captures"])  # (a copy: the loop thread adds to it)
-        kv = {} if self.blocks is None else {"kv_blocks": self.blocks.capacity, "kv_blocks_free": self.blocks.free,
-                                             "kv_block_size": self.blocks.block_size}
+        b = self.blocks
+        kv = {} if b is None else {"kv_blocks": b.capacity, "kv_blocks_free": b.free, "kv_blocks_cached": b.cached,
+                                   "kv_block_size": b.block_size, **b.counts}
         return {"running": len(s.prefilling) + len(s.decoding), "waiting": s.waiting_count(),
                 "free_slots": len(s.free), **kv, "graphs": r.graphs(), "graphs_deferred": len(r.deferred),
                 **s.counts, **self._stats, **r.stats, "late_captures": late,
@@ -215,8 +217,8 @@ class Engine:
             self.runner.zero_slot(slot, min(upto, self.config.max_seq_len))
 
     def _release(self, slot: int, blocks: list[int]) -> None:
-        """A paged cache's blocks back from a retired sequence (``_may_launch``; the pool takes
-        them back whatever happens here)."""
+        """A retired sequence's slot leaves the paged cache's table and ``blocks`` (those empty
+        again) are zeroed (``_may_launch``; the pool has taken them back already)."""
         if self._may_launch():
             self.runner.release(slot, blocks)
 

@@ -115,12 +115,13 @@ class ModelRunner:
                  n * per / GiB, n, bs, (n - 1) * bs, cfg.max_slots)
         return model.new_paged_cache(n, bs, cfg.max_slots, cfg.max_seq_len)
 
-    def assign(self, slot: int, blocks: list[int]) -> None:
-        """A paged cache: ``slot``'s sequence now owns ``blocks`` (the scheduler's admission)."""
-        self.cache.assign(slot, blocks)
+    def assign(self, slot: int, blocks: list[int], clear: list[int] = ()) -> None:
+        """A paged cache: ``slot``'s sequence now reads and writes ``blocks`` (the scheduler's
+        admission); ``clear``, those of them that held another prompt's prefix, are zeroed first."""
+        self.cache.assign(slot, blocks, clear)
 
     def release(self, slot: int, blocks: list[int]) -> None:
-        """A paged cache: ``slot``'s sequence ended; its blocks are zeroed and free again."""
+        """A paged cache: ``slot``'s sequence ended; ``blocks`` (those now empty) are zeroed."""
         self.cache.release(slot, blocks)
 
     # ---------------------------------------------------------------- forward calls

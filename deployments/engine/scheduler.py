@@ -46,13 +46,14 @@ class NonFiniteLogits(RuntimeError):
 class Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "prefilled", "pos", "written", "last", "n_gen",
-                 "text", "gen", "stops")
+    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "keys", "prefilled", "pos", "written", "last",
+                 "n_gen", "text", "gen", "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
         self.slot = -1
         self.blocks: list[int] | None = None  # a paged cache's blocks it holds
+        self.keys: list[bytes] = []  # its prompt's full blocks' keys, kept once it is prefilled (blocks.py)
         self.prefilled = 0  # prompt tokens in the cache
         self.pos = 0  # next cache position to write (tokens in the cache)
         self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
@@ -65,11 +66,12 @@ class Scheduler:
     """Queues and slots of one engine. ``zero_slot(slot, upto)`` clears what a retired sequence
     wrote in the cache (the engine passes the runner's, or nothing once the device failed). With
     a paged cache, ``pool`` holds its blocks: a waiting request is admitted once a slot and the
-    blocks of its prompt + max_new_tokens are free (``assign(slot, blocks)``), and gives them back
-    at its end (``release(slot, blocks)``, instead of ``zero_slot``)."""
+    blocks of its prompt + max_new_tokens are free, sharing those of a kept prefix and prefilled
+    from the first it does not share (``assign(slot, blocks, clear)``), and gives them back at its
+    end (``release(slot, empty)``: those no one holds or keeps are zeroed, instead of ``zero_slot``)."""
 
     def __init__(self, max_slots: int, device: torch.device, zero_slot: Callable[[int, int], None],
-                 pool: BlockPool | None = None, assign: Callable[[int, list[int]], None] | None = None,
+                 pool: BlockPool | None = None, assign: Callable[[int, list[int], list[int]], None] | None = None,
                  release: Callable[[int, list[int]], None] | None = None):
         self.device = device
         self._zero_slot = zero_slot
@@ -106,14 +108,17 @@ class Scheduler:
     def admit(self) -> None:
         while self.waiting and self.free:
             s = self.waiting[0]
+            grant = None
             if self.pool is not None:
-                s.blocks = self.pool.take(self.pool.need(len(s.prompt) + s.params.max_new_tokens))
-                if s.blocks is None:  # in order: the first in the queue waits for its blocks
+                grant = self.pool.admit(s.prompt, len(s.prompt) + s.params.max_new_tokens)
+                if grant is None:  # in order: the first in the queue waits for its blocks
                     break
             self.waiting.popleft()
             s.slot = heapq.heappop(self.free)
-            if s.blocks is not None:
-                self._assign(s.slot, s.blocks)
+            if grant is not None:
+                s.blocks, s.keys = grant.blocks, grant.keys
+                s.prefilled = s.written = grant.cached  # its shared prefix is in the cache already
+                self._assign(s.slot, s.blocks, grant.clear)
             s.handle.admitted_at = time.perf_counter()
             self.prefilling.append(s)
 
@@ -147,6 +152,9 @@ class Scheduler:
         for j, s in enumerate(seqs):
             self.prefilling.remove(s)
             s.pos = len(s.prompt)
+            if s.keys:
+                self.pool.keep(s.blocks, s.keys)
+                s.keys = []
             try:
                 s.gen = _generator(s.params, self.device)
             except Exception as e:  # one request's setting must not stop the loop
@@ -258,10 +266,7 @@ class Scheduler:
         if s.slot >= 0:
             if s.blocks is not None:
                 blocks, s.blocks = s.blocks, None
-                try:
-                    self._release(s.slot, blocks)
-                finally:
-                    self.pool.give(blocks)
+                self._release(s.slot, self.pool.give(blocks))
             else:
                 upto = max(s.written, s.pos)
                 if upto:

@@ -83,11 +83,13 @@ class PagedKVCache:
         self.blocks_per_seq = -(-max_seq_len // block_size)
         self.block_table = torch.zeros((max_slots, self.blocks_per_seq), dtype=torch.int32, device=device)
 
-    def assign(self, slot: int, blocks: list[int]) -> None:
+    def assign(self, slot: int, blocks: list[int], clear: list[int] = ()) -> None:
         """Slot ``slot``'s positions now lie in ``blocks`` (in order); the rest of its row points
-        to the null block. One small copy, queued on the current stream."""
+        to the null block. One small copy, queued on the current stream; ``clear`` (blocks that
+        held something else) are zeroed first."""
         if len(blocks) > self.blocks_per_seq:
             raise ValueError(f"{len(blocks)} blocks for one sequence of at most {self.blocks_per_seq}")
+        self._zero_blocks(clear)
         row = torch.zeros(self.blocks_per_seq, dtype=torch.int32)
         row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.block_table[slot].copy_(row, non_blocking=True)
@@ -95,10 +97,13 @@ class PagedKVCache:
     def release(self, slot: int, blocks: list[int]) -> None:
         """Slot ``slot`` gives ``blocks`` back: they are zeroed (a later owner reads masked keys
         of them, and 0 * NaN = NaN) and its row points to the null block again."""
+        self._zero_blocks(blocks)
+        self.block_table[slot].zero_()
+
+    def _zero_blocks(self, blocks: list[int]) -> None:
         if blocks:
             idx = torch.tensor(blocks, dtype=torch.long).to(self.data.device, non_blocking=True)
             self.data.index_fill_(2, idx, 0)
-        self.block_table[slot].zero_()
 
     def zero_(self) -> None:
         self.data.zero_()

@@ -48,7 +48,8 @@ class Metrics:
                                       tag_keys=("status",)),
                 "gpu": m.Gauge("coldstart_gpu_memory_bytes", description="GPU memory by kind.",
                                tag_keys=("kind",)),
-                "kv": m.Gauge("coldstart_kv_blocks", description="Paged KV-cache blocks, used and free.",
+                "kv": m.Gauge("coldstart_kv_blocks", description="Paged KV-cache blocks: used, cached (a kept prompt prefix "
+                                                                  "nobody holds, reusable), free.",
                               tag_keys=("state",)),
                 "retries": m.Gauge("coldstart_alloc_retries_ratio",
                                    description="Allocator retries (cudaMalloc after a cache flush) "
@@ -106,12 +107,13 @@ class Metrics:
 
     def sample_kv(self, blocks: Any) -> None:
         """A paged KV cache's blocks (``deployments.engine.blocks.BlockPool``; None for a static
-        cache) in use and free."""
+        cache): held by sequences, kept with a prefix that nobody holds, empty (they sum to its capacity)."""
         if blocks is None or not self._ray:
             return
-        free = blocks.free
+        free, cached = blocks.free, blocks.cached
         self._ray["kv"].set(float(blocks.capacity - free), tags={"state": "used"})
-        self._ray["kv"].set(float(free), tags={"state": "free"})
+        self._ray["kv"].set(float(cached), tags={"state": "cached"})
+        self._ray["kv"].set(float(free - cached), tags={"state": "free"})
 
     def snapshot(self) -> dict:
         with self.lock:
