@@ -92,13 +92,21 @@ def test_a_tensor_parallel_replica_generates_what_one_device_and_transformers_do
 
 def test_a_tensor_parallel_replica_over_a_paged_cache_hands_every_rank_the_same_blocks(ray_instance, tmp_path):
     """Rank 0's scheduler hands out the blocks; the other ranks' tables follow (mirrored), so the
-    tokens equal transformers' while requests wait for blocks and take freed ones."""
+    tokens equal transformers' while requests wait for blocks and take freed ones, and again when
+    prompts share the blocks the first ones kept (the ranks clear a kept block before its reuse)."""
     root, hf_tokens = _model(tmp_path, "llama-kv-split")
     paged = {**ENGINE, "kv_cache": "paged", "kv_blocks": 6}  # 5 blocks of 16: the requests take turns
     split = LLMServer(str(root / "tp2"), device="cpu", engine=paged, tp=2)
     try:
         assert _generate(split) == hf_tokens
         assert split.engine.stats()["kv_blocks_free"] == 5
+        greedy = SamplingParams(max_new_tokens=STEPS, temperature=0, ignore_eos=True)
+        for _ in range(2):  # the second shares the first one's two full blocks
+            assert split.engine.generate(PROMPTS[0], greedy)[0] == hf_tokens[0]
+        assert split.engine.stats()["prefix_hit_tokens"] >= 32
+        assert _generate(split) == hf_tokens  # the kept blocks are cleared and taken for other prompts
+        st = split.engine.stats()
+        assert st["prefix_evictions"] > 0 and st["kv_blocks_free"] == 5
     finally:
         split.shutdown()
 
