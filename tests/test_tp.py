@@ -140,7 +140,8 @@ def test_verify_checks_every_rank_and_names_the_bad_one(split_pack, tmp_path):
     load(d, "cpu", rank=0)
     (d / "rank-1" / "model.cst").unlink()
     r = _cli("verify", str(d))
-    assert r.returncode == 1 and "rank 1 of 2: " in r.stderr and "model.cst missing" in r.stderr, r.stderr
+    assert r.returncode == 1 and f"rank 1 of 2: {d / 'rank-1' / 'model.cst'}: missing from the split pack {d}; " \
+        "copy the pack again" in r.stderr and "FAILED: rank 1: its file refused (above)" in r.stderr, r.stderr
 
 
 def test_a_split_pack_given_as_one_model_says_how_to_load_a_rank(split_pack, tiny_packed):

@@ -49,8 +49,9 @@ class VerifyReport:
 @dataclass
 class SplitVerifyReport:
     """What ``verify`` found in a split pack: one ``VerifyReport`` per rank whose file could be
-    read (``ranks``); the ranks whose file could not (``unread``, with ``errors`` naming rank and
-    file), and directories that are no rank of the pack (``errors`` too)."""
+    read as its rank's (``ranks``); the ranks whose file could not, or is another's (``unread``,
+    with ``errors`` naming rank, file and why), and directories that are no rank of the pack
+    (``errors`` too)."""
 
     path: Path
     size: int
@@ -72,7 +73,7 @@ class SplitVerifyReport:
 
     def summary(self) -> str:
         bad = [f"rank {r.packed.tp['rank']}: {r.summary()}" for r in self.ranks if not r.ok]
-        bad += [f"rank {k}: its file cannot be read" for k in self.unread]
+        bad += [f"rank {k}: its file refused (above)" for k in self.unread]
         if len(self.errors) > len(self.unread):
             bad.append("directories that are no rank of the pack")
         return f"{'; '.join(bad)} (of {self.size} ranks)" if bad else "no problems"
