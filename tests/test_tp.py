@@ -155,6 +155,9 @@ def test_a_split_pack_given_as_one_model_says_how_to_load_a_rank(split_pack, tin
         load(d, "cpu", rank=2)
     with pytest.raises(ValueError, match=r"is not a tensor-parallel pack \(no tp\.json\)"):
         load(tiny_packed, "cpu", rank=0)
+    r = _cli("kernels", str(d))  # (before anything starts)
+    assert r.returncode == 2 and f"{d} is split over 2 tensor-parallel ranks: `coldstart kernels` keeps the " \
+        "kernels of a one-device pack only" in r.stderr, r.stderr
 
 
 def test_a_rank_file_moved_or_from_another_pack_is_refused(split_pack, tmp_path):

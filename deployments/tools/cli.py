@@ -289,6 +289,11 @@ def _cmd_kernels(a: argparse.Namespace) -> int:
     """Start the packed model once on this node's GPU with an empty Triton cache (every decode
     graph captured, the warm-up run), then keep what the start compiled in DIR/kernels/<key>/, so
     that replicas on new nodes of this GPU kind compile nothing (deployments.kernels.bundle)."""
+    from weights.tp import is_split_pack, read_manifest
+    if is_split_pack(a.dir):
+        raise ValueError(f"{a.dir} is split over {read_manifest(a.dir)['size']} tensor-parallel ranks: `coldstart "
+                         "kernels` keeps the kernels of a one-device pack only; a split pack's ranks compile theirs "
+                         "at their first start on each node")
     model = packed_model(a.dir)
     cache = tempfile.mkdtemp(prefix="coldstart-kernels-")
     os.environ["TRITON_CACHE_DIR"] = cache  # before anything imports Triton
