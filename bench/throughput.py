@@ -6,7 +6,7 @@
 Deploys one replica of the application (one GPU, serve_config.yaml's warm-up) with the given
 `args.engine`, then for each concurrency C sends C `/generate` requests at once (prompts of
 --prompt-len tokens of the model's own tokenizer, each begun with its own number so that no two
-share a prefix (the paged cache's prefix reuse stays out of the figure, as in the engine's random
+requests of the run share a prefix (the paged cache's prefix reuse stays out of the figure, as in the engine's random
 prompts), --new-tokens greedy tokens each, end of sequence ignored) and times them from the first send to the last answer: total completion
 tokens / wall seconds, the figure `bench/engine.py --concurrency` gives for the engine alone
 (run it in the same session: the ratio is what counts on a shared host). Each concurrency runs
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -36,11 +37,14 @@ def prompt_text(packed: Path, n: int) -> str:
     return tok.decode(ids)
 
 
+_SENT = itertools.count()  # every request's number, over all bursts
+
+
 async def burst(url: str, text: str, c: int, new_tokens: int) -> tuple[float, int, int]:
     """(wall seconds, completion tokens, failures) of ``c`` concurrent requests."""
     import httpx
-    bodies = [{"prompt": f"{i}. {text}", "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-              for i in range(c)]
+    bodies = [{"prompt": f"{next(_SENT)}. {text}", "max_new_tokens": new_tokens, "temperature": 0,
+               "ignore_eos": True} for _ in range(c)]
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
