@@ -366,6 +366,7 @@ METRICS = ["ray_coldstart_startup_phase_seconds", "ray_coldstart_load_gbps",
            "ray_coldstart_ttft_seconds", "ray_coldstart_decode_tokens_per_second",
            "ray_coldstart_queue_wait_seconds", "ray_coldstart_requests_total",
            "ray_coldstart_gpu_memory_bytes", "ray_coldstart_alloc_retries_ratio", "ray_coldstart_kv_blocks",
+           "ray_coldstart_kv_preemptions",
            "ray_serve_replica_initialization_latency_ms", "ray_serve_deployment_replica_healthy",
            "ray_serve_num_ongoing_http_requests"]
 HISTOGRAMS = ["ray_coldstart_ttft_seconds", "ray_coldstart_decode_tokens_per_second",

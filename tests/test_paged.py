@@ -86,6 +86,14 @@ def test_the_pool_hands_out_and_takes_back_blocks():
         p.check(60, 20)
 
 
+def test_the_pool_grows_a_sequence_by_one_block_and_keeps_headroom_at_admission():
+    p = BlockPool(5, 16, prefix=False)  # blocks 1-4
+    a = p.admit([1] * 20, 21)
+    assert a.blocks == [1, 2] and p.admit([2] * 20, 21, headroom=1) is None  # 2 + 1 > 2 free
+    assert p.grow() == (3, False) and p.grow() == (4, False) and p.grow() is None and p.free == 0
+    assert p.give(a.blocks + [3, 4]) == [1, 2, 3, 4]
+
+
 def test_the_pool_shares_the_full_blocks_of_a_kept_prefix_and_reuses_them_last():
     p = BlockPool(7, 4)  # blocks 1-6 of 4 positions
     sys_prompt = [7, 7, 1, 2, 9, 9, 9, 3]  # two full blocks
@@ -196,7 +204,8 @@ def test_http_refuses_a_request_the_cache_cannot_hold_with_a_400(tiny_packed):
 
 def test_a_mixed_load_on_a_small_cache_never_fails_and_each_request_gets_its_tokens_alone():
     """30 requests of random lengths on a cache that holds two or three of them at a time:
-    every one finishes, with the tokens it gets alone (nothing preempted, no memory error)."""
+    every one finishes, with the tokens it gets alone (no memory error; those preempted are
+    computed again and go on)."""
     hf, cfg = hf_model("llama")
     g = torch.Generator().manual_seed(3)
     reqs = []
@@ -252,3 +261,26 @@ def test_prompts_that_share_a_prefix_share_its_blocks_and_get_their_own_tokens()
         assert _run(eng, prompts, 10) == want  # over blocks that held other prompts
         st = eng.stats()
         assert st["kv_blocks_free"] == st["kv_blocks"] == 12
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, dict(temperature=0.8, top_k=20, seed=5, ignore_eos=True)])
+def test_sequences_that_outgrow_the_cache_are_preempted_and_go_on_with_the_tokens_they_get_alone(sampling):
+    """Blocks are taken as tokens are written, not for max_new_tokens up front: three requests
+    that each end up needing 4 of the cache's 6 blocks run at once; when a growing one finds no
+    free block, the one admitted last gives its blocks back and is prefilled again over its prompt
+    and its tokens, then goes on. Every request streams each token once, the tokens it gets
+    alone (seeded sampling included: its generator goes on), and all blocks come back."""
+    hf, cfg = hf_model("llama")
+    prompts = [[7 + i] * 10 for i in range(3)]
+    params = SamplingParams(max_new_tokens=50, **sampling)
+    eng = _engine(cfg, hf, kv_blocks=7, prefix_cache=False)  # 6 blocks of 16
+    with eng:
+        alone = [eng.generate(p, params)[0] for p in prompts]
+        assert eng.stats()["preemptions"] == 0
+        hs = eng.submit_many([(p, params) for p in prompts])
+        streamed = [[t for ch in h for t in ch.token_ids] for h in hs]
+        st = eng.stats()
+    assert [h.result()[0] for h in hs] == streamed == alone and all(len(t) == 50 for t in alone)
+    assert st["preemptions"] > 0 and st["kv_blocks_free"] == st["kv_blocks"] == 6
+    if sampling is GREEDY:
+        assert alone == [hf_greedy(hf, p, 50) for p in prompts]

@@ -1,10 +1,14 @@
 """The paged KV cache's blocks, as the scheduler hands them out.
 
-Admission reserves every block a request can use (its prompt + max_new_tokens) at once, and its
-end gives them back: a running sequence never waits for a block, nothing is preempted or
-computed twice, and a request's tokens do not depend on what else runs. A request whose blocks
-are not free waits, in order, in the queue; one that the whole cache could never hold is refused
-when it is submitted (``check``).
+A request is admitted when the blocks of its prompt and its first new token are free, beside a
+small headroom for the running sequences to grow into (``admit``); each running sequence then
+takes one more block as its tokens reach the end of its last (``grow``). When none is free, the
+scheduler preempts the sequence admitted last: its blocks go back, and it waits at the front of
+the queue to be prefilled again over its prompt and the tokens it has generated (recompute), then
+goes on where it stopped. A request's blocks go back at its end. So blocks are held by what
+sequences have written, not by what they might write (a request's max_new_tokens), and there is
+never an out-of-memory. A request that the whole cache could never hold is refused when it is
+submitted (``check``).
 
 Prefix reuse: once a prompt is in the cache, each of its full blocks is kept under a key of all
 the tokens up to its end (a chained digest: a block's key names its whole prefix, not only its
@@ -49,7 +53,7 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}  # a kept prefix's key -> its block
         self._key_of: dict[int, bytes] = {}  # and back
         self._idle: OrderedDict[int, None] = OrderedDict()  # kept blocks nobody holds, least recently used first
-        self.counts = {"prefix_hit_tokens": 0, "prefix_evictions": 0}
+        self.counts = {"prefix_hit_tokens": 0, "prefix_evictions": 0, "preemptions": 0}
 
     def need(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -81,11 +85,11 @@ class BlockPool:
             out.append(prev)
         return out
 
-    def admit(self, prompt: list[int], positions: int) -> Grant | None:
-        """The blocks of a sequence of ``positions`` (its prompt + max_new_tokens) whose prompt is
-        ``prompt``, sharing the kept blocks of its longest kept prefix; None (nothing taken) when
-        too few are free. At least the prompt's last token is left to compute (its logits give
-        the first new token)."""
+    def admit(self, prompt: list[int], positions: int, headroom: int = 0) -> Grant | None:
+        """The blocks of ``positions`` positions of a sequence whose prompt is ``prompt``, sharing
+        the kept blocks of its longest kept prefix; None (nothing taken) when fewer than they and
+        ``headroom`` more are free. At least the prompt's last token is left to compute (its
+        logits give the first new token)."""
         keys = self.keys(prompt) if self.prefix else []
         hits: list[int] = []
         for key in keys[: (len(prompt) - 1) // self.block_size]:
@@ -94,7 +98,7 @@ class BlockPool:
                 break
             hits.append(b)
         fresh = self.need(positions) - len(hits)
-        if fresh > self.free - sum(1 for b in hits if self._refs[b] == 0):
+        if fresh + headroom > self.free - sum(1 for b in hits if self._refs[b] == 0):
             return None
         for b in hits:
             if self._refs[b] == 0:
@@ -103,6 +107,14 @@ class BlockPool:
         new, clear = self._take(fresh)
         self.counts["prefix_hit_tokens"] += len(hits) * self.block_size
         return Grant(hits + new, len(hits) * self.block_size, keys, clear)
+
+    def grow(self) -> tuple[int, bool] | None:
+        """One more block for a running sequence, and whether it held a kept prefix (to be
+        cleared before use); None when none is free."""
+        if not self.free:
+            return None
+        new, clear = self._take(1)
+        return new[0], bool(clear)
 
     def _take(self, n: int) -> tuple[list[int], list[int]]:
         new, clear = [], []

@@ -20,9 +20,10 @@ class EngineConfig(BaseModel):
     kv_cache: Literal["static", "paged"] = "static"
     """static: max_slots x max_seq_len positions reserved at start. paged: keys and values in
     blocks of kv_block_size positions, as many as the device's free memory holds beside
-    reserve_bytes (kv_blocks sets the number); a request holds the blocks of its prompt +
-    max_new_tokens from its admission to its end and waits in the queue while they are not
-    free, so max_slots bounds only the decode batch (native decoders; others stay static)."""
+    reserve_bytes (kv_blocks sets the number); a request is admitted when the blocks of its
+    prompt are free (it waits in the queue until they are) and takes more as it generates; where
+    none is left, the request admitted last is preempted and computed again later. max_slots
+    bounds only the decode batch (native decoders; others stay static)."""
     kv_block_size: int = Field(16, ge=16)
     """Positions per block of the paged cache (a power of two)."""
     kv_blocks: int | None = Field(None, ge=2)

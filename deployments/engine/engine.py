@@ -273,6 +273,7 @@ class Engine:
 
     def _decode_step(self) -> None:
         s = self.scheduler
+        s.make_room()
         seqs = list(s.decoding)
         if not seqs:
             s.emit_pending()

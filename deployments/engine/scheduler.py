@@ -46,29 +46,33 @@ class NonFiniteLogits(RuntimeError):
 class Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "keys", "prefilled", "pos", "written", "last",
-                 "n_gen", "text", "gen", "stops")
+    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "keys", "admitted", "prefilled", "pos", "written",
+                 "last", "n_gen", "out", "text", "gen", "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
         self.slot = -1
         self.blocks: list[int] | None = None  # a paged cache's blocks it holds
         self.keys: list[bytes] = []  # its prompt's full blocks' keys, kept once it is prefilled (blocks.py)
+        self.admitted = 0  # the scheduler's count of admissions when it was last admitted
         self.prefilled = 0  # prompt tokens in the cache
         self.pos = 0  # next cache position to write (tokens in the cache)
         self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
         self.last = -1  # last sampled token, fed at `pos` by the next decode step
         self.n_gen = 0
+        self.out: list[int] = []  # the tokens it generated (a preempted sequence is prefilled again over them)
         self.gen: torch.Generator | None = None
 
 
 class Scheduler:
     """Queues and slots of one engine. ``zero_slot(slot, upto)`` clears what a retired sequence
     wrote in the cache (the engine passes the runner's, or nothing once the device failed). With
-    a paged cache, ``pool`` holds its blocks: a waiting request is admitted once a slot and the
-    blocks of its prompt + max_new_tokens are free, sharing those of a kept prefix and prefilled
-    from the first it does not share (``assign(slot, blocks, clear)``), and gives them back at its
-    end (``release(slot, empty)``: those no one holds or keeps are zeroed, instead of ``zero_slot``)."""
+    a paged cache, ``pool`` holds its blocks (``deployments.engine.blocks``): a waiting request is
+    admitted once a slot and the blocks of its prompt are free, sharing those of a kept prefix and
+    prefilled from the first it does not share; a decoding one takes a block more as it needs one
+    (``make_room``), preempting the sequence admitted last where none is free; each change of a
+    slot's blocks is ``assign(slot, blocks, clear)``, and a sequence's end or preemption gives them
+    back (``release(slot, empty)``: those no one holds or keeps are zeroed, instead of ``zero_slot``)."""
 
     def __init__(self, max_slots: int, device: torch.device, zero_slot: Callable[[int, int], None],
                  pool: BlockPool | None = None, assign: Callable[[int, list[int], list[int]], None] | None = None,
@@ -84,6 +88,7 @@ class Scheduler:
         self.pending: list[tuple[Seq, int, str | None]] = []  # sampled, text not emitted yet
         self.lock = threading.Lock()
         self.counts = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0}
+        self._admissions = 0
 
     # ---------------------------------------------------------------- queues
     def add(self, *seqs: Seq) -> None:
@@ -110,7 +115,10 @@ class Scheduler:
             s = self.waiting[0]
             grant = None
             if self.pool is not None:
-                grant = self.pool.admit(s.prompt, len(s.prompt) + s.params.max_new_tokens)
+                # its prompt and its first token's position; while others run, a hundredth of the
+                # cache stays free for them to grow into (fewer preemptions)
+                room = -(-self.pool.capacity // 100) if self.prefilling or self.decoding else 0
+                grant = self.pool.admit(s.prompt, len(s.prompt) + 1, room)
                 if grant is None:  # in order: the first in the queue waits for its blocks
                     break
             self.waiting.popleft()
@@ -119,8 +127,44 @@ class Scheduler:
                 s.blocks, s.keys = grant.blocks, grant.keys
                 s.prefilled = s.written = grant.cached  # its shared prefix is in the cache already
                 self._assign(s.slot, s.blocks, grant.clear)
-            s.handle.admitted_at = time.perf_counter()
+            self._admissions += 1
+            s.admitted = self._admissions
+            if s.handle.admitted_at is None:  # (a preempted sequence keeps its first)
+                s.handle.admitted_at = time.perf_counter()
             self.prefilling.append(s)
+
+    def make_room(self) -> None:
+        """A paged cache: each decoding sequence whose next position lies past its blocks takes
+        one more, oldest sequences first; where none is free, the sequence admitted last is
+        preempted (``preempt``), until one is, or until it is the sequence itself."""
+        if self.pool is None:
+            return
+        for s in sorted(self.decoding, key=lambda q: q.admitted):
+            while s.slot >= 0 and self.pool.need(s.pos + 1) > len(s.blocks):
+                got = self.pool.grow()
+                if got is None:
+                    self.preempt(max(self.prefilling + self.decoding, key=lambda q: q.admitted))
+                    continue
+                block, clear = got
+                s.blocks.append(block)
+                self._assign(s.slot, s.blocks, [block] if clear else [])
+
+    def preempt(self, s: Seq) -> None:
+        """Give ``s``'s slot and blocks back and queue it first, to be prefilled again over its
+        prompt and the tokens it generated; it then samples on from where it stopped (its
+        generator and text go on)."""
+        for lst in (self.prefilling, self.decoding):
+            if s in lst:
+                lst.remove(s)
+        blocks, s.blocks = s.blocks, None
+        self._release(s.slot, self.pool.give(blocks))
+        heapq.heappush(self.free, s.slot)
+        s.slot = -1
+        s.prompt = s.prompt[: s.handle.prompt_len] + s.out
+        s.keys, s.prefilled, s.pos, s.written = [], 0, 0, 0
+        self.waiting.appendleft(s)
+        self.pool.counts["preemptions"] += 1
+        log.debug("request %d preempted for KV-cache blocks after %d tokens", s.handle.id, s.n_gen)
 
     def waiting_count(self) -> int:
         with self.lock:
@@ -155,6 +199,10 @@ class Scheduler:
             if s.keys:
                 self.pool.keep(s.blocks, s.keys)
                 s.keys = []
+            if s.n_gen:  # prefilled again after a preemption: its generator goes on
+                self.decoding.append(s)
+                rows.append(j)
+                continue
             try:
                 s.gen = _generator(s.params, self.device)
             except Exception as e:  # one request's setting must not stop the loop
@@ -217,6 +265,7 @@ class Scheduler:
         text (stop strings are found when the text is made)."""
         s.last = tok
         s.n_gen += 1
+        s.out.append(tok)
         self.counts["tokens_generated"] += 1
         s.handle._mark_token()
         if tok in s.stops:

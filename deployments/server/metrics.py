@@ -51,6 +51,9 @@ class Metrics:
                 "kv": m.Gauge("coldstart_kv_blocks", description="Paged KV-cache blocks: used, cached (a kept prompt prefix "
                                                                   "nobody holds, reusable), free.",
                               tag_keys=("state",)),
+                "preempted": m.Gauge("coldstart_kv_preemptions",
+                                     description="Requests preempted for KV-cache blocks since the replica "
+                                                 "started (computed again later): a cache too small for the load."),
                 "retries": m.Gauge("coldstart_alloc_retries_ratio",
                                    description="Allocator retries (cudaMalloc after a cache flush) "
                                                "per allocation: fragmentation pressure."),
@@ -114,6 +117,7 @@ class Metrics:
         self._ray["kv"].set(float(blocks.capacity - free), tags={"state": "used"})
         self._ray["kv"].set(float(cached), tags={"state": "cached"})
         self._ray["kv"].set(float(free - cached), tags={"state": "free"})
+        self._ray["preempted"].set(float(blocks.counts["preemptions"]))
 
     def snapshot(self) -> dict:
         with self.lock:
