@@ -93,7 +93,8 @@ def test_a_tensor_parallel_replica_generates_what_one_device_and_transformers_do
 def test_a_tensor_parallel_replica_over_a_paged_cache_hands_every_rank_the_same_blocks(ray_instance, tmp_path):
     """Rank 0's scheduler hands out the blocks; the other ranks' tables follow (mirrored), so the
     tokens equal transformers' while requests wait for blocks and take freed ones, and again when
-    prompts share the blocks the first ones kept (the ranks clear a kept block before its reuse)."""
+    prompts share the blocks the first ones kept (the ranks clear a kept block before its reuse),
+    and when sequences that outgrow the cache are preempted and computed again."""
     root, hf_tokens = _model(tmp_path, "llama-kv-split")
     paged = {**ENGINE, "kv_cache": "paged", "kv_blocks": 6}  # 5 blocks of 16: the requests take turns
     split = LLMServer(str(root / "tp2"), device="cpu", engine=paged, tp=2)
@@ -104,9 +105,16 @@ def test_a_tensor_parallel_replica_over_a_paged_cache_hands_every_rank_the_same_
         for _ in range(2):  # the second shares the first one's two full blocks
             assert split.engine.generate(PROMPTS[0], greedy)[0] == hf_tokens[0]
         assert split.engine.stats()["prefix_hit_tokens"] >= 32
-        assert _generate(split) == hf_tokens  # the kept blocks are cleared and taken for other prompts
+        assert _generate(split) == hf_tokens
+        # three that each grow to 4 of the 5 blocks: the one admitted last is preempted, its blocks
+        # given back on every rank, and it is computed again; each gets the tokens it gets alone
+        long = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+        prompts = [[20 + i] * 10 for i in range(3)]
+        alone = [split.engine.generate(p, long)[0] for p in prompts]
+        together = [h.result()[0] for h in split.engine.submit_many([(p, long) for p in prompts])]
         st = split.engine.stats()
-        assert st["prefix_evictions"] > 0 and st["kv_blocks_free"] == 5
+        assert together == alone and st["preemptions"] > 0 and st["kv_blocks_free"] == 5
+        assert st["prefix_evictions"] > 0  # kept blocks were cleared and taken for other tokens
     finally:
         split.shutdown()
 
