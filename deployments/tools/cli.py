@@ -302,7 +302,8 @@ def _cmd_kernels(a: argparse.Namespace) -> int:
     from deployments.kernels import bundle
     from deployments.server.start import Start
     from weights.timing import PhaseTimer
-    engine = {"max_slots": a.max_slots, "lazy_graphs": False, **({"max_seq_len": a.max_seq_len} if a.max_seq_len else {})}
+    engine = {"max_slots": a.max_slots, "lazy_graphs": False, "kv_cache": a.kv_cache,
+              **({"max_seq_len": a.max_seq_len} if a.max_seq_len else {})}
     start = Start(DeploymentArgs(model=str(model), device=a.device, engine=engine), PhaseTimer()).run()
     try:
         if start.device.type != "cuda" or not getattr(getattr(start.model, "kernels", None), "fused", False):
@@ -389,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", help="the GPU to compile on (cuda, cuda:N)")
     p.add_argument("--max-slots", type=int, default=8, help="as the replicas' engine.max_slots")
     p.add_argument("--max-seq-len", type=int, default=None, help="as the replicas' engine.max_seq_len")
+    p.add_argument("--kv-cache", choices=["static", "paged"], default="static",
+                   help="as the replicas' engine.kv_cache (its kernels are compiled apart; run once per setting "
+                        "served: each run adds to the bundle)")
     p.set_defaults(fn=_cmd_kernels)
 
     p = sub.add_parser("status", help="`serve status` of the running application (with the Ray token it needs)")
