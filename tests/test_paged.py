@@ -1,7 +1,8 @@
 """The paged KV cache (engine.kv_cache: paged): blocks addressed through a table, handed out at
-admission and taken back at a request's end; the engine's tokens equal the static cache's and
-transformers'; requests wait for blocks in order, and one the cache could never hold is refused
-with its numbers (CPU, fp32; the CUDA cases run on a GPU)."""
+admission and as sequences grow, taken back at a request's end or its preemption, and shared
+between prompts with a common beginning; the engine's tokens equal the static cache's and
+transformers' and each request's equal its own alone; requests wait for blocks in order, and one
+the cache could never hold is refused with its numbers (CPU, fp32; the CUDA cases run on a GPU)."""
 
 from __future__ import annotations
 
