@@ -52,13 +52,13 @@ def _wait(pred, timeout: float, what: str, step: float = 0.5):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def _deploy(name: str, model: Path, *, user_config=None, blocking=True, http=None, **opts):
+def _deploy(name: str, model: Path, *, user_config=None, blocking=True, http=None, engine=None, **opts):
     opts.setdefault("ray_actor_options", {"num_cpus": 1})
     opts.setdefault("health_check_period_s", 1)
     opts.setdefault("health_check_timeout_s", 10)
     dep = LLMDeployment.options(name=name, user_config=user_config or {"warmup": {"requests": 1}},
                                 **opts)
-    app = dep.bind(model=str(model), engine=ENGINE, http=http or {}, fault_injection=True)
+    app = dep.bind(model=str(model), engine=engine or ENGINE, http=http or {}, fault_injection=True)
     try:
         serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
     except RuntimeError:  # serve.run reports a failed deploy itself; callers read serve.status()
@@ -285,6 +285,32 @@ def test_client_disconnect_cancels_generation(ray_instance, tiny_packed):
     assert stats["engine"]["running"] == 0 and stats["engine"]["free_slots"] == ENGINE["max_slots"]
     # stopped early: far fewer than the 480 tokens asked for (warm-up made 16)
     assert stats["engine"]["tokens_generated"] - 16 < 240
+    serve.delete(name)
+
+
+def test_a_paged_replica_gives_each_http_request_the_tokens_it_gets_alone(ray_instance, tiny_packed):
+    """A paged replica whose cache holds fewer requests than come at once: behind one shared
+    system prompt (its blocks reused), some requests are preempted and computed again; each
+    answer over HTTP is the one that request gets alone, and every block comes back."""
+    from concurrent.futures import ThreadPoolExecutor
+    name = "paged"
+    engine = {"max_slots": 4, "max_seq_len": 512, "kv_cache": "paged", "kv_blocks": 13}  # 12 blocks of 16
+    _deploy(name, tiny_packed, num_replicas=1, engine=engine)
+    system = "You are a terse assistant; answer in one line, then stop. " * 2
+    prompts = [system + q for q in ("What is two and two?", "Name a colour.", "Count to three.", "Say hi.")]
+
+    def ask(prompt: str) -> list[int]:
+        r = _post(f"/{name}/generate", {"prompt": prompt, "max_new_tokens": 60, "temperature": 0,
+                                        "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["token_ids"]
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, prompts))
+    stats = httpx.get(f"{BASE}/{name}/stats").json()["engine"]
+    assert together == alone
+    assert stats["prefix_hit_tokens"] > 0 and stats["preemptions"] > 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks"] == 12
     serve.delete(name)
 
 
