@@ -315,12 +315,9 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
         p = p / WEIGHTS_FILE
     refuse_leftover(p.parent)
     if not p.exists():
-        if (p.parent / TP_MANIFEST).is_file():
+        if (p.parent / TP_MANIFEST).is_file() or (p.parent.parent / TP_MANIFEST).is_file():
             from .tp import split_pack_error  # (weights.tp imports this module)
             raise split_pack_error(p.parent)
-        if (p.parent.parent / TP_MANIFEST).is_file():  # a rank's directory of a split pack
-            raise FileNotFoundError(f"{p}: missing from the split pack {p.parent.parent}; copy the pack again as "
-                                    f"it was packed, or re-pack it (`coldstart pack SRC {p.parent.parent} --tp N`)")
         raise FileNotFoundError(f"{p}: no packed weight file ({p.name} missing); make one with "
                                 f"`coldstart pack HF_DIR {p.parent}`")
     size = p.stat().st_size

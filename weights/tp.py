@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .format import TP_MANIFEST, PackedFormatError, TensorParallelPackError, rank_dir, read_json
+from .format import TP_MANIFEST, WEIGHTS_FILE, PackedFormatError, TensorParallelPackError, rank_dir, read_json
 
 # the kinds of rule (see the module's docstring)
 Q_ROWS, KV_ROWS, Q_COLUMNS, MLP_ROWS, MLP_COLUMNS, FIRST, VOCAB, REPLICATED = (
@@ -273,8 +273,12 @@ def rank_path(dest: str | os.PathLike, rank: int) -> Path:
     return d / rank_dir(rank)
 
 
-def split_pack_error(d: Path) -> PackedFormatError:
-    """The error for a split pack given where one packed model was expected: what to do instead."""
+def split_pack_error(d: Path) -> PackedFormatError | FileNotFoundError:
+    """The error for a split pack given where one packed model was expected (or one of its rank
+    directories without its file): what to do instead."""
+    if (d.parent / TP_MANIFEST).is_file():
+        return FileNotFoundError(f"{d / WEIGHTS_FILE}: missing from the split pack {d.parent}; copy the pack again "
+                                 f"as it was packed, or re-pack it (`coldstart pack SRC {d.parent} --tp N`)")
     try:
         size = read_manifest(d)["size"]
     except PackedFormatError as e:
