@@ -59,7 +59,7 @@ def test_report_from_a_cut_short_run(partial, tmp_path, monkeypatch):
 
 
 def test_phases_of_an_engine_built_beside_the_load_are_its_critical_path():
-    from bench.serve import _ours_phases
+    from bench.serve_report import _ours_phases
 
     detail = {"imports": 3.0, "context": 0.2, "load": 0.5, "engine": 1.2, "load_wait": 0.05, "warmup": 0.4,
               "engine_model": 0.6, "open": 0.01, "alloc": 0.02, "assemble": 0.03, "read_copy": 0.4}
@@ -72,7 +72,7 @@ def test_phases_of_an_engine_built_beside_the_load_are_its_critical_path():
 
 
 def test_the_median_deploy_counts():
-    from bench.serve import median_run
+    from bench.serve_report import median_run
 
     runs = [{"deploy_to_warm_s": t} for t in (12.7, 11.9, 14.2)]
     assert median_run(runs)["deploy_to_warm_s"] == 12.7
@@ -206,7 +206,7 @@ def test_a_variant_is_compared_with_the_default_round_by_round(partial, tmp_path
 
 
 def test_rounds_need_three_of_each():
-    from bench.serve import paired
+    from bench.serve_report import paired
 
     assert paired({"a": [1.0, 2.0], "b": [0.5, 1.0]}, "a", "b") is None
     assert paired({"a": [1.0, 2.0, 3.0], "b": [0.5, 1.0]}, "a", "b") is None
