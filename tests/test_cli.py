@@ -28,6 +28,26 @@ def test_demo_pack_verify_round_trip(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("ok: ")
 
 
+def test_demo_force_replaces_only_a_demo_or_an_empty_directory(tmp_path):
+    """--force never deletes what `coldstart demo` did not write: a folder of the user's is
+    refused with --force or without, and left whole."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for extra in ([], ["--force"]):
+        r = _cli("demo", str(mine), "--shape", "tiny", *extra)
+        assert r.returncode == 2 and "is not a checkpoint `coldstart demo` made (no .coldstart-demo)" in r.stderr \
+            and "--force or without" in r.stderr, r.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert _cli("demo", str(tmp_path / "hf"), "--shape", "tiny").returncode == 0
+    r = _cli("demo", str(tmp_path / "hf"), "--shape", "tiny")
+    assert r.returncode == 2 and "exists; pass --force to replace it" in r.stderr
+    assert _cli("demo", str(tmp_path / "hf"), "--shape", "tiny", "--seed", "1", "--force").returncode == 0
+    (tmp_path / "empty").mkdir()
+    assert _cli("demo", str(tmp_path / "empty"), "--shape", "tiny", "--force").returncode == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
 def test_errors_are_one_line_with_exit_codes(tmp_path):
     r = _cli("pack", str(tmp_path / "missing"), str(tmp_path / "p"))
     assert r.returncode == 2 and "coldstart pack: error:" in r.stderr and "no such directory" in r.stderr

@@ -9,6 +9,9 @@ are random normal (std 0.02, like HF's init), norms are ones; they are made on
 the given device (a GPU makes 7B in seconds) and streamed to disk one tensor at
 a time, so host memory never holds a shard.
 
+``force`` replaces only what this command made (its ``.coldstart-demo`` file says so) or an
+empty directory; anything else is refused, with --force or without.
+
 ``layers``: the shape with fewer layers (a 70B's real widths on a disk that cannot hold it).
 ``tp``: a packed split pack (``coldstart pack --tp N``) written directly, without the HF
 checkpoint: each random tensor is made once, as for the checkpoint, and the packer's writer
@@ -200,13 +203,17 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
         shape: one of ``SHAPES`` (tiny, small, llama-7b, llama2-13b, llama3-70b).
         device: where random weights are drawn (``cuda`` makes 7B in seconds).
         seed: RNG seed: the same seed and device give the same weights.
-        force: replace ``dest`` if it exists (with ``tp``: only a packed model, as ``pack``).
+        force: replace ``dest`` if it exists and is a checkpoint this function wrote or an empty
+            directory (with ``tp``: a packed model or an empty directory, as ``pack``).
         layers: write this many layers of the shape (its other sizes unchanged).
         tp: above 1, write a packed split pack over ``tp`` ranks instead of the checkpoint (see
             the module's docstring).
     """
     s = shape_of(shape, layers)
     dest = Path(dest)
+    if tp == 1 and (dest.exists() or dest.is_symlink()) and not _made_here(dest):
+        raise FileExistsError(f"{dest} exists and is not a checkpoint `coldstart demo` made (no {MARKER}) nor an "
+                              "empty directory; it will not be replaced, with --force or without: choose another DEST")
     if dest.exists() and not force:
         raise FileExistsError(f"{dest} exists; pass --force to replace it")
     dev = torch.device(device)
@@ -232,6 +239,7 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
             _dump(tmp / "model.safetensors.index.json",
                   {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_side_files(tmp, s)
+        _dump(tmp / MARKER, {"shape": shape, "layers": s.layers, "seed": seed, "device": str(dev)})
         if dest.exists():
             shutil.rmtree(dest)
         os.rename(tmp, dest)
@@ -239,6 +247,13 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+MARKER = ".coldstart-demo"  # in a checkpoint make_demo wrote: what --force may replace
+
+
+def _made_here(dest: Path) -> bool:
+    return dest.is_dir() and not dest.is_symlink() and ((dest / MARKER).is_file() or not any(dest.iterdir()))
 
 
 def _write_side_files(d: Path, s: Shape) -> None:
