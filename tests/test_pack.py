@@ -228,6 +228,27 @@ def test_dest_exists_needs_force(tiny_hf, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temporary left
 
 
+def test_force_swaps_the_new_pack_in_without_a_moment_with_no_dest(tiny_hf, tmp_path, monkeypatch):
+    """Where the system can swap two paths in one step, DEST is never renamed away: a replica
+    starting while a pack replaces its model finds the old one or the new one, never none."""
+    from weights import publish
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    if not publish.exchange(a, b):
+        pytest.skip("this kernel, C library or filesystem cannot swap two paths in one step")
+    assert (b / "x").read_text() == "a" and not (a / "x").exists()
+    dest = pack(tiny_hf, tmp_path / "p", PackOptions(progress=False))
+    renames: list[tuple[str, str]] = []
+    real = os.rename
+    monkeypatch.setattr(os, "rename", lambda x, y: (renames.append((str(x), str(y))), real(x, y))[1])
+    pack(tiny_hf, dest, PackOptions(chunk_bytes=8192, force=True, progress=False))
+    assert not [r for r in renames if str(dest) in r], renames  # DEST was swapped, never renamed
+    assert verify(dest).ok and read_packed(dest).index.chunk_bytes == 8192
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "p"]  # the old pack removed
+
+
 def test_force_replaces_an_empty_directory(tiny_hf, tmp_path):
     (tmp_path / "p").mkdir()
     with pytest.raises(FileExistsError, match="pass --force"):
@@ -366,7 +387,7 @@ def _assert_not_a_model(d: Path) -> None:
 
 
 def _pack_again_cleans_up(src: Path, out: Path, caplog, leftovers: list[Path]) -> None:
-    with caplog.at_level("INFO", logger="weights.packer"):
+    with caplog.at_level("INFO", logger="weights"):
         pack(src, out / "p", PackOptions(force=True, progress=False))
     assert verify(out / "p").ok
     assert [p.name for p in out.iterdir()] == ["p"]  # leftovers and the lock file gone
@@ -452,7 +473,7 @@ def test_leftovers_of_running_packs_and_of_other_dests_are_kept(tiny_hf, tmp_pat
         for name in gone + kept:
             (out / name).mkdir()
             (out / name / "model.cst.partial").write_bytes(os.urandom(1 << 20))
-        with caplog.at_level("INFO", logger="weights.packer"):
+        with caplog.at_level("INFO", logger="weights"):
             pack(tiny_hf, out / "p", PackOptions(progress=False))
         assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["p"])
         lines = [r.getMessage() for r in caplog.records]

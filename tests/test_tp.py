@@ -199,7 +199,7 @@ def test_split_packs_keep_the_force_atomicity_and_leftover_rules(split_pack, tmp
         for check in (lambda: read_packed(d / "rank-0"), lambda: load(d, "cpu", rank=0), lambda: verify(d)):
             with pytest.raises(PackedFormatError, match="leftover of an interrupted `coldstart pack`"):
                 check()
-    with caplog.at_level("INFO", logger="weights.packer"):
+    with caplog.at_level("INFO", logger="weights"):
         pack(src, tmp_path / "k" / "p", opts)
     assert [p.name for p in (tmp_path / "k").iterdir()] == ["p"] and verify(tmp_path / "k" / "p").ok
     assert sum(r.getMessage().startswith("removed ") for r in caplog.records) == 2

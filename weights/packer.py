@@ -4,29 +4,7 @@ Streams tensor by tensor (the model is never instantiated and never held twice
 in memory), lays tensors out sorted by name, each 4 KiB-aligned, writes the
 chunk checksums and the index, and publishes DEST atomically.
 
-Publishing. Everything is written in a temporary directory beside DEST,
-``.NAME.partial-PID-XXXXXXXX`` (PID: the packing process), in this order: the
-side files, each fsynced; the weights as ``model.cst.partial`` (data, index, and
-last the preamble, so until then it has no valid magic), fsynced; then
-``model.cst.partial`` is renamed ``model.cst``, the directory is fsynced and
-renamed to DEST. An existing DEST (only under --force, and only a packed model
-or an empty directory) is first renamed aside as ``.NAME.old-PID-XXXXXXXX`` and
-removed after. So only a finished pack's directory holds a ``model.cst``: a pack
-interrupted at any point leaves no DEST and no ``model.cst`` anywhere, and
-``read_packed`` also refuses a ``.NAME.partial-*`` directory by name, saying it
-is such a leftover. (Marking completion by the last rename, rather than by a
-flag inside the file, keeps every reader, old ones included, from taking a
-partial file for a model, and needs nothing but rename's atomicity.)
-
-Leftovers. A pack that is killed (SIGKILL, a crash, a power cut) cannot remove
-its temporary directory, a full-size copy of the model. While it runs, a pack
-holds an ``flock`` on ``.NAME.lock`` in DEST's parent, so two packs into one
-DEST run one after the other, and a pack that holds it knows that no other pack
-into DEST is running: it removes the ``.NAME.partial-*`` and ``.NAME.old-*``
-leftovers of earlier packs into DEST, logging each with its size. It keeps one
-whose PID is a process still running, which is also what protects a running
-pack where the filesystem has no locks; leftovers named without a PID (by an
-older coldstart) are removed only under the lock.
+Publishing, --force and leftovers: ``weights.publish``.
 
 Split packs (``--tp N``, ``PackOptions(tp=N)``). The same steps write one
 weights file per rank, ``rank-K/model.cst`` (layout: ``weights.format``; the
@@ -40,8 +18,6 @@ are named model.cst only inside the temporary directory, renamed as a whole.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -57,12 +33,12 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from . import checksum
+from . import checksum, publish
 from . import tp as tensor_parallel
-from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, MAGIC, PREAMBLE_BYTES, SIDE_FILES,
+from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, PREAMBLE_BYTES, SIDE_FILES,
                      TP_MANIFEST, WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
                      file_sha256, rank_dir, read_json)
-from .sources import SourceError, SourceTensor, check_apart, check_source, is_within, iter_tensors, open_sources
+from .sources import SourceError, SourceTensor, check_apart, check_source, iter_tensors, open_sources
 
 log = logging.getLogger(__name__)
 
@@ -118,37 +94,6 @@ def _layout_key(name: str) -> list:
     return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", ".".join(parts))]
 
 
-def _check_replace(dest: Path, force: bool) -> None:
-    """Refuse an existing DEST unless ``force`` is set and DEST is a packed model (a model.cst
-    with coldstart's magic) or an empty directory: --force never deletes anything else."""
-    if not (dest.exists() or dest.is_symlink()):
-        return
-    if not _replaceable(dest):
-        raise FileExistsError(f"{dest} exists and is not a packed model (no {WEIGHTS_FILE}, nor a split "
-                              f"pack's {TP_MANIFEST} and {rank_dir(0)}/{WEIGHTS_FILE}, with a coldstart "
-                              "header, and not an empty directory); it will not be "
-                              "replaced, with --force or without: choose another DEST")
-    if not force:
-        raise FileExistsError(f"{dest} exists; pass --force to replace it")
-
-
-def _replaceable(dest: Path) -> bool:
-    if not dest.is_dir():
-        return False
-    if not any(dest.iterdir()):
-        return True
-    return _has_magic(dest / WEIGHTS_FILE) or (
-        (dest / TP_MANIFEST).is_file() and _has_magic(dest / rank_dir(0) / WEIGHTS_FILE))  # a split pack
-
-
-def _has_magic(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(MAGIC)) == MAGIC
-    except OSError:  # none there, or not a file
-        return False
-
-
 def _stored_dtype(name: str, dtype: str, file: Path, cast: str | None) -> str:
     tdt = getattr(torch, dtype, None) if dtype in DTYPES else None
     if tdt is None:
@@ -185,7 +130,7 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     src, dest = Path(src), Path(dest)
     files = check_source(src)
     check_apart(src, dest)
-    _check_replace(dest, opts.force)
+    publish.check_replace(dest, opts.force)
     metas, handles, aliases = open_sources(files)
     try:
         if not metas:
@@ -209,14 +154,14 @@ def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: T
     tensors, ``weights.demo`` random ones. ``source``: recorded in the index (SRC's name)."""
     by_name, data_bytes, lay = _layout(src, metas, aliases, opts)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest) as locked:
-        _check_replace(dest, opts.force)  # again: another pack may have published it meanwhile
-        _remove_leftovers(dest, src, locked)
+    with publish.locked(dest) as locked:
+        publish.check_replace(dest, opts.force)  # again: another pack may have published it meanwhile
+        publish.remove_leftovers(dest, src, locked)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{os.getpid()}-", dir=dest.parent))
         try:
             meta = {"source": source or src.name, "cast": opts.dtype}
             _write_pack(tmp, src, tensors, by_name, data_bytes, aliases, opts, lay, meta)
-            _publish(tmp, dest, opts.force)
+            publish.publish(tmp, dest, opts.force)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -282,7 +227,7 @@ def _copy_side_files(src: Path, tmp: Path) -> dict[str, SideFile]:
     for name in SIDE_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, tmp / name)
-            _fsync(tmp / name)
+            publish.fsync(tmp / name)
             out[name] = SideFile(file_sha256(tmp / name), (tmp / name).stat().st_size)
     return out
 
@@ -291,7 +236,7 @@ def _write_manifest(tmp: Path, lay: "tensor_parallel.Layout") -> SideFile:
     """A split pack's tp.json, fsynced; its index entry (every rank's index lists it)."""
     path = tmp / TP_MANIFEST
     path.write_text(json.dumps(tensor_parallel.manifest(lay, secrets.token_hex(8)), indent=1))
-    _fsync(path)
+    publish.fsync(path)
     return SideFile(file_sha256(path), path.stat().st_size)
 
 
@@ -350,136 +295,14 @@ def _pwrite_all(fd: int, buf: np.ndarray, offset: int, file, name: str) -> None:
         done += n
 
 
-def _fsync(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(d: Path) -> None:
     """Every file under ``d`` (a split pack's rank directories too), then the directories."""
     for p in d.iterdir():
         if p.is_dir() and not p.is_symlink():
             _fsync_dir(p)
         elif p.is_file():
-            _fsync(p)
-    _fsync(d)
-
-
-def _publish(tmp: Path, dest: Path, force: bool) -> None:
-    """Rename the finished temporary directory to DEST (replacing it under --force)."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        _check_replace(dest, force)
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        os.rename(dest, old)
-    os.rename(tmp, dest)
-    _fsync(dest.parent)
-    if old is not None:
-        with contextlib.suppress(OSError):  # what is left, the next pack into DEST removes
-            _remove(old)
-
-
-@contextlib.contextmanager
-def _locked(dest: Path):
-    """Hold an exclusive flock on ``.NAME.lock`` beside DEST while the body runs (waiting for
-    another pack into DEST to finish); yields whether it is held: False where the filesystem
-    refuses locks. The holder removes the file as it lets go; a waiter that then gets the lock
-    of the removed file sees that and locks the path's new file instead."""
-    path = dest.with_name(f".{dest.name}.lock")
-    fd = _lock(path, dest)
-    try:
-        yield fd is not None
-    finally:
-        if fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            os.close(fd)
-
-
-def _lock(path: Path, dest: Path) -> int | None:
-    """A descriptor of ``path`` holding its exclusive flock (waiting for the holder to let go);
-    None where the filesystem refuses locks."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.info("another pack into %s is running: waiting for it to finish", dest)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:  # ENOLCK, EOPNOTSUPP: some network filesystems
-            os.close(fd)
-            log.warning("cannot lock %s (%s): packs into %s are not serialized; leftovers of "
-                        "earlier packs are removed only where their process has ended", path, e, dest)
-            return None
-        try:
-            st, now = os.fstat(fd), os.stat(path)
-            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # the holder removed that file as it let go: lock the path's new one
-
-
-def _leftover_re(dest: Path) -> re.Pattern:
-    """Names of the temporary and set-aside directories of packs into DEST; group 1 or 2: the
-    packing process's pid (none in a temporary directory named by an older coldstart)."""
-    n = re.escape(dest.name)
-    return re.compile(rf"\.{n}\.(?:partial-(?:(\d+)-)?[a-z0-9_]{{8}}|old-(\d+)(?:-[0-9a-f]{{8}})?)")
-
-
-def _remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
-    """Remove what earlier packs into DEST left in its parent, but never a running pack's (see
-    the module's docstring) nor SRC."""
-    pattern, rs = _leftover_re(dest), src.resolve()
-    for p in sorted(dest.parent.iterdir()):
-        m = pattern.fullmatch(p.name)
-        if not m or is_within(rs, p.resolve()):
-            continue
-        digits = m.group(1) or m.group(2)
-        pid = int(digits) if digits else None
-        if not _ended(pid, locked):
-            log.info("kept %s: the pack that left it (pid %s) may still be running", p, pid)
-            continue
-        size = _disk_bytes(p)
-        try:
-            _remove(p)
-        except OSError as e:
-            log.warning("could not remove %s, left by an earlier pack into %s: %s", p, dest, e)
-            continue
-        log.info("removed %s, left by an interrupted pack into %s (%.1f MiB)", p, dest, size / 2**20)
-
-
-def _ended(pid: int | None, locked: bool) -> bool:
-    """Whether the pack that left a leftover has ended: its process is gone. Under the lock, one
-    with no pid or with ours is no running pack's (each running pack holds the lock)."""
-    if pid is None or pid == os.getpid():
-        return locked
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process
-        return False
-    return False
-
-
-def _disk_bytes(p: Path) -> int:
-    """Bytes that ``p`` takes on disk (a partial model.cst is sparse where it was not written)."""
-    if not p.is_dir() or p.is_symlink():
-        return p.lstat().st_blocks * 512
-    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
-               for d, _, fs in os.walk(p) for f in fs)
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    else:
-        p.unlink()
+            publish.fsync(p)
+    publish.fsync(d)
 
 
 class _NoBar:
