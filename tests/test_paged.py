@@ -241,11 +241,13 @@ def test_the_fused_decode_reads_and_writes_through_the_table(attention, tmp_path
         assert _run(eng, PROMPTS) == want
 
 
-def test_prompts_that_share_a_prefix_share_its_blocks_and_get_their_own_tokens():
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 5}),
+                                      ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1})])
+def test_prompts_that_share_a_prefix_share_its_blocks_and_get_their_own_tokens(arch, kw):
     """A system prompt's blocks are computed once: later prompts that begin with it (alone, or
     several at once, one identical to it) prefill only the rest, and each gets the tokens
     transformers gives it; kept blocks overwritten by other prompts are zeroed first."""
-    hf, cfg = hf_model("llama")
+    hf, cfg = hf_model(arch, **kw)
     system = list(range(3, 38))  # 35 tokens: two full blocks of 16
     prompts = [system + [40, 41, 42], system + [50] * 20, system, system[:20], system + [60]]
     want = [hf_greedy(hf, p, 10) for p in prompts]
