@@ -78,8 +78,10 @@ for stage in "$@"; do
              python3 bench/load.py --out "$out/before" --warm-only --repeats 5 --tree "$B" 2>&1 | tail -1
              python3 bench/load.py --out "$out/after" --warm-only --repeats 5 2>&1 | tail -1; (exit $((r1 | r2))) ;;
     tp-rank) # one GPU: rank 0 of a 70B-shaped TP=4 split pack (TP_LAYERS of its 80 layers, to fit the
-             # disk), loaded warm and cold; and a whole rank's batch-1 decode step, the all-reduce left out
+             # disk), loaded warm and cold; the ranks' channel per decode call; and a whole rank's batch-1
+             # decode step, the all-reduce left out
              python3 bench/tp.py rank-load --out "$out" --layers ${TP_LAYERS:-20} 2>&1 | tail -12
+             python3 bench/tp.py channel --out "$out" 2>&1 | tail -12  # lockstep's cost per decode call, on this host's cores
              rm -rf $W/llama3-70b-tp4-*  # (tens of GB: the next stages need the disk)
              python3 bench/engine.py --random llama3-70b --tp-rank 4 --max-seq-len 4096 --no-hf \
                --out "$out/engine-tp4-rank.json" 2>&1 | grep -E "^(weight_gb|decode_ms_per_token_b1|tokens_per_s_b(1|16)) " ;;

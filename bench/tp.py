@@ -4,6 +4,7 @@ Run on the GPU machine from the repository root:
 
     PYTHONPATH=$PWD python bench/tp.py rank-load --out OUT [--layers 20]
     PYTHONPATH=$PWD python bench/tp.py serve --out OUT --shape llama3-70b --tp 4 [--layers 80]
+    PYTHONPATH=$PWD python bench/tp.py channel --out OUT
 
 rank-load (one GPU): a Llama-3-70B-shaped pack split over 4 ranks, written directly on the GPU
 (`coldstart demo --shape llama3-70b --tp 4 --layers L`; all four ranks of the 80 layers are
@@ -18,6 +19,11 @@ gives `tp` N (N bundles of a GPU each, STRICT_PACK) and serve_config.yaml's warm
 the replica to RUNNING as bench/serve.py times every replica (`--repeat` rounds, page cache warm);
 its ranks' start phases from /stats; then batch-1 decode through HTTP, ms per token after the
 first (128 greedy tokens; the replica's x-coldstart-ttft-s header splits off the first).
+
+channel (CPU; no GPU needed): what lockstep costs a tensor-parallel decode step. Rank 0's runner
+calls reach the other ranks over a gloo group on the node's loopback (deployments.engine.mirror);
+this sends `--calls` decode calls of B rows each (as the engine sends them) from rank 0 to 1 and
+to 3 other processes, and times them to the last rank's receipt: microseconds per call.
 """
 
 from __future__ import annotations
@@ -119,9 +125,55 @@ def serve_tp(a: argparse.Namespace) -> dict:
     return res
 
 
+def channel(a: argparse.Namespace) -> dict:
+    """Microseconds per mirrored decode call of B rows, for 2 and 4 ranks (see the docstring)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from deployments.server.ranks import free_port
+    detail = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (2, 4):
+            out = Path(tmp) / f"tp{n}.json"
+            mp.spawn(_channel_rank, args=(n, free_port(), str(out), a.calls), nprocs=n, join=True)
+            detail[f"tp{n}"] = json.loads(out.read_text())
+    return {"summary": {f"{k}_b{b}_us": us for k, d in detail.items() for b, us in d.items()}, "detail": detail}
+
+
+def _channel_rank(rank: int, world: int, port: int, out: str, calls: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from deployments.engine.mirror import Channel
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    ch = Channel.new()
+    try:
+        if rank:  # another rank: receive until stop; "sync" answers rank 0's gather
+            while (msg := ch.receive())[0] != "stop":
+                if msg[0] == "sync":
+                    ch.gather(None)
+            return
+        res = {}
+        for B in (1, 16, 64, 128, 256):
+            rows = [(i, 31000 + i, 1000 + i) for i in range(B)]  # (slot, token, position), as the engine sends
+            t = time.perf_counter()
+            for _ in range(calls):
+                ch.send(("decode", (B, 2048, rows)))
+            ch.send(("sync", ()))
+            ch.gather(None)  # every rank has received them all
+            res[B] = round((time.perf_counter() - t) / calls * 1e6, 1)
+        ch.send(("stop", ()))
+        Path(out).write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["rank-load", "serve"])
+    ap.add_argument("what", choices=["rank-load", "serve", "channel"])
     ap.add_argument("--work", default="/tmp/coldstart-bench")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--layers", type=int, help="write only this many of the shape's layers (to fit the disk)")
@@ -131,14 +183,15 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=4, help="serve: ranks per replica (GPUs)")
     ap.add_argument("--repeat", type=int, default=3, help="serve: deploys, each timed")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="serve: cpu checks the script")
+    ap.add_argument("--calls", type=int, default=500, help="channel: decode calls per batch size")
     a = ap.parse_args()
     if a.what == "rank-load" and not drop_caches():
         print("the cold figures below are warm: the page cache could not be dropped", flush=True)
-    res = rank_load(a) if a.what == "rank-load" else serve_tp(a)
+    res = {"rank-load": rank_load, "serve": serve_tp, "channel": channel}[a.what](a)
     res["command"] = "PYTHONPATH=$PWD python bench/tp.py " + " ".join(sys.argv[1:])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "tp-rank-load.json" if a.what == "rank-load" else f"tp-serve-{a.shape}-tp{a.tp}.json"
+    name = {"rank-load": "tp-rank-load.json", "channel": "tp-channel.json"}.get(a.what, f"tp-serve-{a.shape}-tp{a.tp}.json")
     (out / name).write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
 
