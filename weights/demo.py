@@ -240,13 +240,8 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
                   {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_side_files(tmp, s)
         _dump(tmp / MARKER, {"shape": shape, "layers": s.layers, "seed": seed, "device": str(dev)})
-        from .publish import exchange
-        if dest.exists() and exchange(tmp, dest):  # in one step: DEST is never missing
-            shutil.rmtree(tmp)
-        else:
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.rename(tmp, dest)
+        from .publish import swap_in
+        swap_in(tmp, dest)  # (replaceable: checked above)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -78,12 +78,20 @@ def _has_magic(path: Path) -> bool:
 
 
 def publish(tmp: Path, dest: Path, force: bool) -> None:
-    """Rename the finished temporary directory to DEST (replacing it under --force: swapped in
-    one step where the system can, so that DEST is never missing)."""
-    old = None
+    """Rename the finished temporary directory to DEST, replacing it only as ``check_replace``
+    allows (``swap_in``)."""
     if dest.exists() or dest.is_symlink():
         check_replace(dest, force)
-        if exchange(tmp, dest):  # DEST is the new pack; tmp's name holds the old one
+    swap_in(tmp, dest)
+
+
+def swap_in(tmp: Path, dest: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``dest``. An existing ``dest`` is swapped with it
+    in one step where the system can, so that ``dest`` is never missing (else renamed aside
+    first), then removed."""
+    old = None
+    if dest.exists() or dest.is_symlink():
+        if exchange(tmp, dest):  # DEST is the new one; tmp's name holds the old one
             old = tmp
         else:
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
