@@ -139,7 +139,8 @@ class Scheduler:
         preempted (``preempt``), until one is, or until it is the sequence itself."""
         if self.pool is None:
             return
-        for s in sorted(self.decoding, key=lambda q: q.admitted):
+        short = [s for s in self.decoding if self.pool.need(s.pos + 1) > len(s.blocks)]  # a few per step
+        for s in sorted(short, key=lambda q: q.admitted):
             while s.slot >= 0 and self.pool.need(s.pos + 1) > len(s.blocks):
                 got = self.pool.grow()
                 if got is None:
