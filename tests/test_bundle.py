@@ -101,7 +101,8 @@ def test_gpu_a_new_node_with_the_shipped_kernels_compiles_nothing(tiny_packed, t
     shipped = set(json.loads(next((model / "kernels").glob("*/manifest.json")).read_text())["files"])
     assert any(f.endswith(".cubin") for f in shipped), sorted(shipped)[:10]
     cache = tmp_path / "fresh-cache"
-    code = ("import sys; from deployments.server.replica import LLMServer; "
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "from deployments.server.replica import LLMServer; "
             f"s = LLMServer({str(model)!r}, device='cuda', engine={{'max_slots': 2, 'max_seq_len': 128}}); "
             "s.reconfigure({'warmup': {'requests': 1, 'batch_sizes': [1, 2]}}); s.shutdown()")
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,

@@ -131,7 +131,9 @@ def test_paged_engine_gives_the_static_cache_and_transformers_tokens(arch, kw, d
     want = [hf_greedy(hf, p, 12) for p in PROMPTS]
     got = {}
     for kind in ("static", "paged"):
-        eng = _engine(cfg, hf, device, kv_cache=kind)
+        # (paged: as many blocks as the static cache's positions, on the GPU too, where the free
+        # memory would decide otherwise)
+        eng = _engine(cfg, hf, device, kv_cache=kind, **({"kv_blocks": 3 * 6 + 1} if kind == "paged" else {}))
         with eng:
             got[kind] = _run(eng, PROMPTS)
             got[kind + " again"] = _run(eng, PROMPTS)  # over blocks the first batch used and gave back
