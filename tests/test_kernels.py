@@ -400,11 +400,11 @@ def test_interp_rope_paged_skips_positions_outside_the_table(interp):
 
 
 # bf16 left out as in test_interp_decode_attention (the interpreter's bf16 tl.dot)
-@pytest.mark.parametrize("block_n", [None, 16])
+@pytest.mark.parametrize("block_n", [None, 16, 32])
 @pytest.mark.parametrize("null_padding", [False, True])
 @pytest.mark.parametrize("case, dtype", [(c, d) for c in PAGED_CASES for d in DTYPES if d != torch.bfloat16])
 def test_interp_decode_attention_paged(interp, case, dtype, null_padding, block_n):
-    """As the paged reference; and, with the same key blocks (BLOCK_N = min(block_n, block_size)),
+    """As the paged reference; and, with the same key blocks (one may span several cache blocks),
     the very result of the static kernel over the same logical keys."""
     B, H, Hkv, Dh, bs, kv_len, window = case
     q, kp, vp, table, ks, vs, pos = paged_inputs(B, H, Hkv, Dh, bs, kv_len, dtype, null_padding=null_padding)
@@ -412,8 +412,7 @@ def test_interp_decode_attention_paged(interp, case, dtype, null_padding, block_
     ref = interp._ref_decode_attention(q, kp, vp, pos, kv_len, window, Dh**-0.5, table)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out, ref, **({} if dtype == torch.float32 else TOL[dtype]))
-    static_n = min(block_n or interp._ATTN_DEFAULTS[0], bs)
-    assert torch.equal(out, interp._launch_decode_attention(q, ks, vs, pos, kv_len, window, Dh**-0.5, static_n))
+    assert torch.equal(out, interp._launch_decode_attention(q, ks, vs, pos, kv_len, window, Dh**-0.5, block_n))
 
 
 @pytest.mark.parametrize("case", PAGED_CASES + [(4, 4, 2, 32, 16, 256, 0)])

@@ -202,8 +202,6 @@ def _launch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     bn, warps, tgt, stages = _ATTN_DEFAULTS
     block_n, num_warps, target, num_stages = block_n or bn, num_warps or warps, target or tgt, num_stages or stages
     paged = block_table is not None
-    if paged:  # key blocks no longer than a cache block (both powers of two): one table load each
-        block_n = min(block_n, T)
     n_split = _decode_splits(B * n_kv, kv_len, block_n, target)
     m = torch.empty(B * H * n_split, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)

@@ -120,9 +120,9 @@ if triton is not None:
         # (bench/kernel_sweep.py): the step is bound by reading the keys and values, which the
         # pipelined loop keeps in flight.
         # PAGED: K, V are [blocks, N_KV, KV_BLOCK, HEAD_DIM] and row b's key n is offset
-        # n % KV_BLOCK of block BT[b, n // KV_BLOCK]. BLOCK_N divides KV_BLOCK and every key
-        # block starts at a multiple of BLOCK_N, so a key block lies in one cache block: one
-        # table load per key block. Otherwise BT, stride_bt are None and KV_BLOCK is unused.
+        # n % KV_BLOCK of block BT[b, n // KV_BLOCK]: each key of a key block finds its cache
+        # block (a key block may span several), so BLOCK_N is the static cache's whatever the
+        # cache's block size. Otherwise BT, stride_bt are None and KV_BLOCK is unused.
         bh = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         b = bh // N_KV
@@ -148,9 +148,8 @@ if triton is not None:
             n = n0 + tl.arange(0, BLOCK_N)
             live = n < end
             if PAGED:
-                blk = tl.load(BT + b * stride_bt + n0 // KV_BLOCK).to(tl.int64)
-                tile = ((blk * N_KV + h) * KV_BLOCK + n0 % KV_BLOCK + tl.arange(0, BLOCK_N)[:, None]) * HEAD_DIM \
-                    + d[None, :]
+                blk = tl.load(BT + b * stride_bt + n // KV_BLOCK, mask=live, other=0).to(tl.int64)
+                tile = ((blk[:, None] * N_KV + h) * KV_BLOCK + (n % KV_BLOCK)[:, None]) * HEAD_DIM + d[None, :]
                 k = tl.load(K + tile, mask=live[:, None], other=0.0)
                 v = tl.load(V + tile, mask=live[:, None], other=0.0)
             else:
