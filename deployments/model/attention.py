@@ -45,6 +45,9 @@ class AttnContext:
     start: int = 0  # prefill: position of the chunk's first token
     slots: torch.Tensor | None = None  # prefill of several fresh prompts: [B] cache slot of each row
     positions: torch.Tensor | None = None  # decode: [B] int64
+    # decode, the Triton attention: each row reads its keys up to this position; a padding row's
+    # is 0 (one key, where its own position would make it read the whole cache)
+    read_positions: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # decode: arange(B)
     kv_len: int = 0  # decode: keys read from the cache
     fused: bool = False  # use deployments.kernels (CUDA with Triton)
@@ -125,7 +128,8 @@ class Attention(nn.Module):
         q = ops.rope_store_kv(qkv, ctx.cos.view(B, Dh), ctx.sin.view(B, Dh), kc, vc, ctx.positions,
                               H, self.n_kv, Dh, **table)  # [B, H, Dh]
         if ctx.attention_kernel:  # flash-decoding: key slices in parallel, masks from the positions
-            out = ops.decode_attention(q, kc, vc, ctx.positions, ctx.kv_len, self.window or 0, self.scale, **table)
+            read = ctx.positions if ctx.read_positions is None else ctx.read_positions
+            out = ops.decode_attention(q, kc, vc, read, ctx.kv_len, self.window or 0, self.scale, **table)
         else:
             mask = ctx.masks.get(self.window) if ctx.masks else None
             k, v = self._cached(ctx, B)

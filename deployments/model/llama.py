@@ -310,7 +310,9 @@ class Transformer(nn.Module):
 
         Rows whose valid is False (or 0) are padding: they write their (harmless) keys at
         their given position, which the engine sets to one no live sequence has
-        reached yet. Static shapes for a fixed (B, kv_len): CUDA-graph capturable.
+        reached yet, and the Triton attention reads one key for them (their output is
+        dropped; from their position they would read the whole cache, and a batch's slowest
+        rows set its step's time). Static shapes for a fixed (B, kv_len): CUDA-graph capturable.
         """
         B = tokens.shape[0]
         cfg = self.config
@@ -335,6 +337,7 @@ class Transformer(nn.Module):
             rows=None if attention_kernel or self._fused_decode() else torch.arange(B, device=tokens.device),
             kv_len=kv_len,
             attention_kernel=attention_kernel,
+            read_positions=positions * (valid != 0) if attention_kernel else None,
         )
         h = self._run(tokens.view(B, 1), ctx)
         return self._head(h[:, 0], ctx)
