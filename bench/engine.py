@@ -127,6 +127,80 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, de
     return n / (time.perf_counter() - t0)
 
 
+def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[int]], new_tokens: int,
+                  device: torch.device) -> dict:
+    """One concurrent run of ``prompts`` with the decode step's launch wrapped in CUDA events
+    (device time per step against wall time per step: the rest is the host's, unless the two
+    overlap), then one of ``others`` (new prompts: none found in a paged cache's prefix reuse)
+    under cProfile in the loop thread (the profiler slows the host: read its shares, not its
+    times)."""
+    import cProfile
+    import io
+    import pstats
+
+    runner, events = engine.runner, []
+    decode = runner.decode
+
+    def timed(*a, **kw):
+        if device.type != "cuda":
+            return decode(*a, **kw)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        out = decode(*a, **kw)
+        e1.record()
+        events.append((e0, e1))
+        return out
+
+    runner.decode = timed
+    steps0 = engine.stats()["steps"]
+    t = time.perf_counter()
+    tps = run_concurrent(engine, prompts, new_tokens, device)
+    wall = time.perf_counter() - t
+    steps = engine.stats()["steps"] - steps0
+    runner.decode = decode
+    sync(device)
+    dev_ms = sum(a.elapsed_time(b) for a, b in events)
+    res = {"concurrency": len(prompts), "tokens_per_s": tps, "wall_s": wall, "decode_steps": steps,
+           "wall_ms_per_step": wall * 1e3 / max(steps, 1),
+           "decode_device_ms_per_step": dev_ms / max(len(events), 1) if events else None,
+           "decode_device_share": dev_ms / 1e3 / wall if events else None}
+    import threading
+
+    # the loop thread runs already: its profiler is switched on and off from inside its steps
+    prof, target = cProfile.Profile(), engine._thread.ident
+    started = threading.Event()
+    sample = engine.scheduler.sample
+
+    def sample_once(*a, **kw):
+        if not started.is_set() and threading.get_ident() == target:
+            started.set()
+            prof.enable()
+        return sample(*a, **kw)
+
+    engine.scheduler.sample = sample_once
+    run_concurrent(engine, others, new_tokens, device)
+    engine.scheduler.sample = sample
+    done = threading.Event()
+
+    def stop(*a, **kw):
+        if threading.get_ident() == target and not done.is_set():
+            prof.disable()
+            done.set()
+        return sample(*a, **kw)
+
+    engine.scheduler.sample = stop
+    run_concurrent(engine, prompts[:1], 2, device)
+    engine.scheduler.sample = sample
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    res["cprofile_tottime"] = buf.getvalue().splitlines()
+    for k, v in res.items():
+        if k != "cprofile_tottime":
+            print(f"profile {k} {v:.3f}" if isinstance(v, float) else f"profile {k} {v}")
+    print("\n".join(res["cprofile_tottime"][:45]))
+    return res
+
+
 def hf_ms_per_token(config: dict, tensors: dict, prompt: list[int], new_tokens: int, device: torch.device) -> float:
     """transformers eager generate on the same tensors: (t(N) - t(1)) / (N - 1)."""
     from deployments.model.hf_fallback import build_hf_model
@@ -161,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="engine.prefill_chunk")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--kv-cache", choices=["static", "paged"], default="static", help="engine.kv_cache")
     ap.add_argument("--kv-block-size", type=int, default=16, help="engine.kv_block_size (paged)")
@@ -174,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-buckets", type=lambda v: tuple(int(x) for x in v.split(",")),
                     help="decode key-length buckets, e.g. 512,4096 (default: the engine's)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--profile", action="store_true",
+                    help="at the largest concurrency, where a step's time goes: the decode steps' device time "
+                         "(CUDA events) against their wall time, and the loop thread's busiest functions (cProfile)")
     ap.add_argument("--start-only", action="store_true",
                     help="only the start: load + build, capture, one warm-up request (one JSON line)")
     args = ap.parse_args(argv)
@@ -198,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     max_seq = min(args.max_seq_len, model.max_position_embeddings)
     ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs,
+                        prefill_chunk=args.prefill_chunk,
                         kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                         prefix_cache=not args.no_prefix_cache,
                         graph_batch_sizes=args.graph_batch_sizes, kv_len_buckets=args.kv_buckets)
@@ -274,7 +353,11 @@ def main(argv: list[str] | None = None) -> dict:
         if c > args.max_slots:
             continue
         res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt() for _ in range(c)], args.new_tokens, device)
-    if "tokens_per_s_b16" in res:
+    if args.profile:
+        c = max(c for c in args.concurrency if c <= args.max_slots)
+        res["profile"] = profile_steps(engine, [prompt() for _ in range(c)], [prompt() for _ in range(c)],
+                                       args.new_tokens, device)
+    if "tokens_per_s_b16" in res and "tokens_per_s_b1" in res:
         res["ratio_b16_b1"] = res["tokens_per_s_b16"] / res["tokens_per_s_b1"]
     res["engine_stats"] = engine.stats()  # (paged: kv_blocks, the cache's size in blocks)
     res["kv_cache"], res["shared_prefix"] = args.kv_cache, args.shared_prefix
@@ -285,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
         res["hf_ms_per_token"] = hf_ms_per_token(config, tensors, prompt(), min(args.new_tokens, 64), device)
         res["speedup_vs_hf_b1"] = res["hf_ms_per_token"] / res["decode_ms_per_token_b1"]
 
-    rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in res.items() if k != "engine_stats"]
+    rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in res.items() if k not in ("engine_stats", "profile")]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
     if args.out:

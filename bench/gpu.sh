@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged
+#         tp-rank tp-serve paged profile
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -56,7 +56,7 @@ for stage in "$@"; do
                ${PYTHONPATH//:/ } > /dev/null 2>&1
              m=""; [ -f $W/serve-partial.json ] && m="--merge $W/serve-partial.json"
              python3 bench/serve.py --out "$out" --report "$out" --kinds minimal,coldstart,coldstart-nokernels \
-               --caches fresh --repeat ${FRESH_REPEAT:-3} $m > "$out/fresh-node.log" 2>&1; r=$?
+               --caches fresh --repeat ${FRESH_REPEAT:-3} $m ${SERVE_EXTRA:-} > "$out/fresh-node.log" 2>&1; r=$?
              grep -E "added->RUNNING|^- new node" "$out/fresh-node.log"; (exit $r) ;;
     restructure-serve) # a replica's start in Ray before the restructure and after it, each beside the
              # minimal replica in its own run (three warm rounds); after: also with the collector's pause
@@ -107,6 +107,16 @@ for stage in "$@"; do
                  | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024${pc:+ off} /"; done
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
                --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 | tail -4 ;;
+    profile) # where a step's time goes at 128 concurrent: the paged attention beside the static one
+             # (kernels alone), then the engine's decode steps' device time against their wall time
+             # and the loop thread's busiest functions, static and paged, and paged with longer
+             # prefill chunks
+             python3 bench/kernel_sweep.py --only paged --out "$out/paged-attention-sweep.json" 2>&1 | grep -E "^paged"
+             for v in "static 1024 512" "paged 4096 512" "paged 4096 2048"; do set -- $v
+               python3 bench/engine.py $W/packed --max-seq-len $2 --no-hf --max-slots 128 --kv-cache $1 \
+                 --prefill-chunk $3 --concurrency 128 --profile --out "$out/profile-$1-$3.json" 2>&1 \
+                 | grep -E "^(profile |tokens_per_s_b128 |  *[0-9/]+ +[0-9.]+ +[0-9.]+ +[0-9.]+)" | head -24 \
+                 | sed "s/^/$1-$3 /"; done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }
