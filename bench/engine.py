@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--out", type=Path, help="write the JSON results here")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-lens", type=lambda v: tuple(int(x) for x in v.split(",")), metavar="LO,HI",
+                    help="the concurrent runs' prompts of lengths drawn from LO..HI instead (a mixed load)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=2048)
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not args.model and not args.random:
         ap.error("give a model directory or --random SHAPE")
+    if args.prompt_lens and (len(args.prompt_lens) != 2 or not 1 <= args.prompt_lens[0] <= args.prompt_lens[1]):
+        ap.error(f"--prompt-lens {args.prompt_lens}: want LO,HI with 1 <= LO <= HI")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     res: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -286,8 +290,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     shared = torch.randint(3, vocab, (args.shared_prefix,), generator=gen).tolist()
 
-    def prompt() -> list[int]:
-        return shared + torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
+    def prompt(mixed: bool = False) -> list[int]:
+        n = args.prompt_len
+        if mixed and args.prompt_lens:  # a mixed load: each prompt's own length drawn between the two
+            lo, hi = args.prompt_lens
+            n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        return shared + torch.randint(3, vocab, (n,), generator=gen).tolist()
 
     greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     sync(device)
@@ -352,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     for c in args.concurrency:
         if c > args.max_slots:
             continue
-        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt() for _ in range(c)], args.new_tokens, device)
+        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt(True) for _ in range(c)], args.new_tokens, device)
     if args.profile:
         c = max(c for c in args.concurrency if c <= args.max_slots)
         res["profile"] = profile_steps(engine, [prompt() for _ in range(c)], [prompt() for _ in range(c)],
@@ -360,7 +368,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "tokens_per_s_b16" in res and "tokens_per_s_b1" in res:
         res["ratio_b16_b1"] = res["tokens_per_s_b16"] / res["tokens_per_s_b1"]
     res["engine_stats"] = engine.stats()  # (paged: kv_blocks, the cache's size in blocks)
-    res["kv_cache"], res["shared_prefix"] = args.kv_cache, args.shared_prefix
+    if "preemptions" in res["engine_stats"]:
+        res["preemptions"] = res["engine_stats"]["preemptions"]
+    res["kv_cache"], res["shared_prefix"], res["prompt_lens"] = args.kv_cache, args.shared_prefix, args.prompt_lens
     engine.shutdown()
     del engine
 

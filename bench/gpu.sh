@@ -105,6 +105,11 @@ for stage in "$@"; do
                python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged $pc \
                  --shared-prefix 1024 --concurrency 64 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
                  | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024${pc:+ off} /"; done
+             # a mixed load more than the cache holds at once: 256 prompts of 32-3000 tokens (preemptions,
+             # no request lost)
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 256 --kv-cache paged \
+               --prompt-lens 32,3000 --concurrency 256 --out "$out/engine-paged-mixed.json" 2>&1 \
+               | grep -E "^tokens_per_s_b256 |preemptions" | sed 's/^/mixed256  /'
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
                --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 | tail -4 ;;
     profile) # where a step's time goes at 128 concurrent: the paged attention beside the static one

@@ -1,0 +1,40 @@
+"""bench/engine.py on the CPU, as the GPU runs call it: a failing benchmark would otherwise be
+found only on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "engine.json"
+    r = subprocess.run([sys.executable, "bench/engine.py", "--random", "tiny", "--device", "cpu", "--dtype", "float32",
+                        "--no-hf", "--max-seq-len", "256", "--new-tokens", "8", "--out", str(out), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_mixed_load_over_the_paged_cache_with_the_step_profile(tmp_path):
+    res = _bench(tmp_path, "--kv-cache", "paged", "--max-slots", "8", "--concurrency", "1,8",
+                 "--prompt-lens", "8,100", "--profile", "--prefill-chunk", "64")
+    assert res["prompt_lens"] == [8, 100] and res["kv_cache"] == "paged" and res["preemptions"] == 0
+    assert res["tokens_per_s_b8"] > 0 and res["tokens_per_s_b1"] > 0
+    # every concurrent prompt's tokens were prefilled: 8 prompts of 8..100 tokens, and the profile's 8 more
+    assert res["engine_stats"]["finished"] >= 8 + 8
+    prof = res["profile"]
+    # 8 new tokens each: the first from the prefill, the other 7 from at least 7 decode steps
+    assert prof["concurrency"] == 8 and prof["decode_steps"] >= 7 and prof["decode_device_ms_per_step"] is None
+    lines = prof["cprofile_tottime"]  # the loop thread's profile: its header, then its busiest functions
+    assert "function calls" in lines[0] and sum("{built-in method" in x or ".py:" in x for x in lines) >= 10
+
+
+def test_bad_prompt_lengths_are_refused(tmp_path):
+    r = subprocess.run([sys.executable, "bench/engine.py", "--random", "tiny", "--prompt-lens", "50,10"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--prompt-lens (50, 10): want LO,HI with 1 <= LO <= HI" in r.stderr
