@@ -160,6 +160,29 @@ def test_requests_wait_in_order_for_blocks_and_all_finish():
     assert outs == [hf_greedy(hf, p, 12) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("kind", ["paged", "static"])
+def test_device_memory_run_out_before_serving_names_what_to_change(monkeypatch, kind):
+    """A cache sized to the free memory leaves reserve_bytes for the rest; where the first
+    prefills need more (a CPU cannot run out: the prefill of 64 tokens raises what CUDA's
+    allocator would), the start fails saying which knobs leave more, not with the bare error."""
+    hf, cfg = hf_model("llama")
+    eng = _engine(cfg, hf, kv_cache=kind, prefill_chunk=64, prefill_min_len=16)
+    prefill = eng.model.prefill
+
+    def short_of_memory(tokens, *a, **kw):
+        if tokens.shape[1] == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 MiB.")
+        return prefill(tokens, *a, **kw)
+
+    monkeypatch.setattr(eng.model, "prefill", short_of_memory)
+    fewer = r"set engine.kv_blocks below the cache's 19" if kind == "paged" else r"lower engine.max_slots or"
+    with pytest.raises(RuntimeError, match=r"ran out of device memory in its first prefill of 64 prompt tokens, "
+                                           r"beside a KV cache of 0\.00 GiB and engine.reserve_bytes=1\.00 GiB .* "
+                                           + fewer + r".* engine.prefill_chunk=64"):
+        eng.start()
+    eng.shutdown()
+
+
 def test_a_request_the_cache_can_never_hold_is_refused_with_its_numbers():
     hf, cfg = hf_model("llama")
     eng = _engine(cfg, hf, kv_blocks=4)  # 3 blocks: 48 positions

@@ -89,6 +89,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             check_fits(need, cfg, free, total, str(self.device))
         log.info("KV cache: %.2f GiB for %d slots x %d tokens", need / GiB, cfg.max_slots, cfg.max_seq_len)
+        self.cache_bytes = need
         return model.new_cache(cfg.max_slots, cfg.max_seq_len)
 
     def _paged_cache(self) -> Any:
@@ -113,7 +114,18 @@ class ModelRunner:
             n = cfg.max_slots * -(-cfg.max_seq_len // bs) + 1
         log.info("KV cache: %.2f GiB, %d blocks of %d positions (%d positions), for up to %d sequences",
                  n * per / GiB, n, bs, (n - 1) * bs, cfg.max_slots)
+        self.cache_bytes = n * per
         return model.new_paged_cache(n, bs, cfg.max_slots, cfg.max_seq_len)
+
+    def out_of_memory(self, what: str) -> RuntimeError:
+        """The error for device memory run out before serving, in ``what``: which knobs leave more."""
+        cfg, paged = self.cfg, getattr(self.cache, "paged", False)
+        fewer = ("set engine.kv_blocks below the cache's %d" % self.cache.num_blocks if paged
+                 else "lower engine.max_slots or engine.max_seq_len")
+        return RuntimeError(
+            f"the engine ran out of device memory in {what}, beside a KV cache of {self.cache_bytes / GiB:.2f} GiB "
+            f"and engine.reserve_bytes={cfg.reserve_bytes / GiB:.2f} GiB kept free for this: raise "
+            f"engine.reserve_bytes, or {fewer}, or lower engine.prefill_chunk={cfg.prefill_chunk}")
 
     def assign(self, slot: int, blocks: list[int], clear: list[int] = ()) -> None:
         """A paged cache: ``slot``'s sequence now reads and writes ``blocks`` (the scheduler's
@@ -195,9 +207,12 @@ class ModelRunner:
 
         def timed(key: int | str, run: Any) -> None:
             t = time.perf_counter()
-            run()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            try:
+                run()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            except torch.OutOfMemoryError as e:
+                raise self.out_of_memory(f"its first prefill of {key} prompt tokens") from e
             each[key] = round((time.perf_counter() - t) * 1e3, 2)
 
         def zeros(*shape: int) -> torch.Tensor:
@@ -227,9 +242,12 @@ class ModelRunner:
         sizes = cfg.graph_batch_sizes[:1] if cfg.lazy_graphs else cfg.graph_batch_sizes
         self.deferred = [b for b in cfg.graph_batch_sizes if b not in sizes]
         self._pool = torch.cuda.graph_pool_handle()
-        self.stats["first_launch_ms"] = self._first_launches(sizes)  # the kernels each size is first to load
-        self.stats["first_launch_s"] = time.perf_counter() - t0
-        self.stats["graphs_uploaded"] = self._upload(self._capture_graphs(sizes))
+        try:
+            self.stats["first_launch_ms"] = self._first_launches(sizes)  # the kernels each size is first to load
+            self.stats["first_launch_s"] = time.perf_counter() - t0
+            self.stats["graphs_uploaded"] = self._upload(self._capture_graphs(sizes))
+        except torch.OutOfMemoryError as e:
+            raise self.out_of_memory(f"the decode graphs of batch sizes {list(sizes)}") from e
         torch.cuda.synchronize(self.device)
         self.stats["capture_s"] = time.perf_counter() - t0
         log.info("captured %d decode graphs in %.2f s (%.2f s of it the first eager launches)%s",
