@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="engine.prefill_chunk")
+    ap.add_argument("--reserve-gib", type=float, default=1.0, help="engine.reserve_bytes, in GiB")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--kv-cache", choices=["static", "paged"], default="static", help="engine.kv_cache")
     ap.add_argument("--kv-block-size", type=int, default=16, help="engine.kv_block_size (paged)")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     max_seq = min(args.max_seq_len, model.max_position_embeddings)
     ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs,
-                        prefill_chunk=args.prefill_chunk,
+                        prefill_chunk=args.prefill_chunk, reserve_bytes=int(args.reserve_gib * 2**30),
                         kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                         prefix_cache=not args.no_prefix_cache,
                         graph_batch_sizes=args.graph_batch_sizes, kv_len_buckets=args.kv_buckets)

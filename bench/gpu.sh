@@ -101,6 +101,10 @@ for stage in "$@"; do
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
                --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
                | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|capture_warmup_s) " | sed 's/^/paged128  /'
+             # the same with 2048-token prefill chunks (16 fresh prompts a forward) and a 2 GiB reserve
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
+               --prefill-chunk 2048 --reserve-gib 2 --concurrency 1,64,128 --out "$out/engine-paged-128-chunk2048.json" \
+               2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|capture_warmup_s) " | sed 's/^/paged2048 /'
              for pc in "" --no-prefix-cache; do  # 64 chats behind one 1024-token system prompt
                python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged $pc \
                  --shared-prefix 1024 --concurrency 64 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
