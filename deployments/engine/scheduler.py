@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from deployments.engine.blocks import BlockPool
-from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
+from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState, delivered_together
 from deployments.engine.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -275,9 +275,10 @@ class Scheduler:
 
     def emit_pending(self) -> None:
         pending, self.pending = self.pending, []
-        for s, tok, reason in pending:
-            if not s.handle.done:  # not cancelled or failed since it was sampled
-                self._emit_safely(s, tok, reason)
+        with delivered_together():  # one hand-over per consumer's event loop, not one per request
+            for s, tok, reason in pending:
+                if not s.handle.done:  # not cancelled or failed since it was sampled
+                    self._emit_safely(s, tok, reason)
 
     def _emit_safely(self, s: Seq, tok: int, reason: str | None) -> None:
         try:
