@@ -84,3 +84,35 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def test_waiting_for_the_end_is_one_wake_up_with_the_whole_answer():
+    loop = _loop()
+    h = _handles(loop, 1)[0]
+    h._put(Chunk([7], "a", None))  # before the wait began: already in its queue
+    fut = asyncio.run_coroutine_threadsafe(h.finished(), loop)
+    while not h._final_only:
+        pass
+    calls = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (calls.append(a[0]), real(*a))[1]
+    for i, reason in enumerate([None, None, "length"]):
+        h._put(Chunk([8 + i], "bcd"[i], reason))
+    assert fut.result(timeout=10) == ([7, 8, 9, 10], "abcd", "length")
+    assert len(calls) == 1  # the last chunk only
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_cancelled_wait_cancels_the_request():
+    loop = _loop()
+    h = _handles(loop, 1)[0]
+    fut = asyncio.run_coroutine_threadsafe(h.finished(), loop)
+    while not h._final_only:
+        pass
+    fut.cancel()
+    for _ in range(1000):
+        if h.cancelled:
+            break
+        threading.Event().wait(0.01)
+    assert h.cancelled
+    loop.call_soon_threadsafe(loop.stop)

@@ -195,6 +195,7 @@ class RequestHandle:
         # bind to the submitter's event loop, if any, so chunks can be awaited there
         self._loop: asyncio.AbstractEventLoop | None = None
         self._aq: asyncio.Queue | None = None
+        self._final_only = False  # ``finished()`` waits: only the last chunk goes to the loop
         try:
             self._bind(asyncio.get_running_loop())
         except RuntimeError:
@@ -248,7 +249,7 @@ class RequestHandle:
                 self.finish_reason, self.error, self.finished_at = chunk.finish_reason, error, time.perf_counter()
             self._chunks.append(chunk)
             self._cond.notify_all()
-            if self._aq is not None:
+            if self._aq is not None and (chunk.finish_reason is not None or not self._final_only):
                 if _together.pending is not None:
                     _together.pending.setdefault(self._loop, []).append((self, self._aq, chunk))
                     return
@@ -281,6 +282,24 @@ class RequestHandle:
         if chunk.finish_reason is not None:
             self._aended = True
         return chunk
+
+    async def finished(self) -> tuple[list[int], str, str]:
+        """Wait in the caller's event loop for the request's end, woken once rather than per
+        token: (token_ids, text, finish_reason), as ``result``. A cancelled wait cancels the
+        request, as a cancelled async iteration does."""
+        loop = asyncio.get_running_loop()
+        if self._aq is None or self._loop is not loop:
+            self._bind(loop)
+        with self._cond:
+            self._final_only = True
+        try:
+            while (await self._aq.get()).finish_reason is None:  # (chunks queued before this call)
+                pass
+        except asyncio.CancelledError:  # the consumer went away (client disconnect)
+            self.cancel()
+            raise
+        self._aended = True
+        return self.result(timeout=0)
 
     def __iter__(self) -> Iterator[Chunk]:
         i = 0

@@ -168,11 +168,8 @@ class Routes:
             raise BadRequest(f"replica unavailable: {e}", 503) from e
 
     async def _collect(self, handle: Any) -> tuple[str, list[int], str]:
-        text, ids = [], []
         try:
-            async for ch in handle:
-                text.append(ch.text)
-                ids.extend(ch.token_ids)
+            ids, text, reason = await handle.finished()  # one wake-up at its end, not one per token
         finally:
             if not handle.done:
                 handle.cancel()  # the caller went away: free the slot
@@ -180,7 +177,7 @@ class Routes:
         failed = unfinished(handle)
         if failed is not None:
             raise failed
-        return "".join(text), ids, handle.finish_reason
+        return text, ids, reason
 
     def _account(self, handle: Any) -> None:
         # a client that went away has cancelled its handle; the engine may not have seen it yet
