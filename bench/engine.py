@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-prefix-cache", action="store_true", help="engine.prefix_cache off (paged)")
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                     help="every prompt begins with the same N tokens (a system prompt) before its own --prompt-len")
+    ap.add_argument("--new-prefix", action="store_true",
+                    help="with --shared-prefix: each concurrent run's prompts share a prefix of their own, not in "
+                         "the cache yet (a burst behind a new system prompt), instead of the warm-up's")
     ap.add_argument("--concurrency", type=lambda v: tuple(int(x) for x in v.split(",")), default=(1, 4, 16),
                     help="concurrent requests to time total tokens/s at, e.g. 1,16,64,128 (up to --max-slots)")
     ap.add_argument("--graph-batch-sizes", type=lambda v: tuple(int(x) for x in v.split(",")),
@@ -291,12 +294,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     shared = torch.randint(3, vocab, (args.shared_prefix,), generator=gen).tolist()
 
-    def prompt(mixed: bool = False) -> list[int]:
+    def prompt(mixed: bool = False, prefix: list[int] | None = None) -> list[int]:
         n = args.prompt_len
         if mixed and args.prompt_lens:  # a mixed load: each prompt's own length drawn between the two
             lo, hi = args.prompt_lens
             n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-        return shared + torch.randint(3, vocab, (n,), generator=gen).tolist()
+        return (shared if prefix is None else prefix) + torch.randint(3, vocab, (n,), generator=gen).tolist()
 
     greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     sync(device)
@@ -361,7 +364,10 @@ def main(argv: list[str] | None = None) -> dict:
     for c in args.concurrency:
         if c > args.max_slots:
             continue
-        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt(True) for _ in range(c)], args.new_tokens, device)
+        # --new-prefix: a system prompt the cache has not seen, shared by this run's prompts alone
+        fresh = torch.randint(3, vocab, (args.shared_prefix,), generator=gen).tolist() if args.new_prefix else None
+        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt(True, fresh) for _ in range(c)], args.new_tokens,
+                                                   device)
     if args.profile:
         c = max(c for c in args.concurrency if c <= args.max_slots)
         res["profile"] = profile_steps(engine, [prompt() for _ in range(c)], [prompt() for _ in range(c)],

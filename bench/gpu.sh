@@ -109,6 +109,10 @@ for stage in "$@"; do
                python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged $pc \
                  --shared-prefix 1024 --concurrency 64 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
                  | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024${pc:+ off} /"; done
+             # the same 64 behind a system prompt the cache has not seen (one computes it, the others share it)
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
+               --shared-prefix 1024 --new-prefix --concurrency 64 --out "$out/engine-paged-shared-new.json" 2>&1 \
+               | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024 new /"
              # a mixed load more than the cache holds at once: 256 prompts of 32-3000 tokens (preemptions,
              # no request lost)
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 256 --kv-cache paged \

@@ -291,6 +291,25 @@ def test_prompts_that_share_a_prefix_share_its_blocks_and_get_their_own_tokens(a
         assert st["kv_blocks_free"] == st["kv_blocks"] == 12
 
 
+def test_a_burst_behind_one_system_prompt_computes_it_once():
+    """Prompts that arrive together behind one system prompt, none of it in the cache yet: the
+    first is admitted and computes it; the others wait until it is in the cache, then share it
+    (a prompt of other tokens behind them goes on meanwhile), and each gets its own tokens."""
+    hf, cfg = hf_model("llama")
+    system = list(range(3, 51))  # 48 tokens: three full blocks of 16
+    prompts = [system + [60 + i] * (i + 1) for i in range(4)] + [[90] * 20]
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    eng = _engine(cfg, hf, max_slots=5, kv_blocks=40)
+    with eng:
+        hs = eng.submit_many([(p, SamplingParams(max_new_tokens=8, **GREEDY)) for p in prompts])
+        got = [h.result(timeout=120)[0] for h in hs]
+        st = eng.stats()
+        admitted = [h.admitted_at for h in hs]
+    assert got == want
+    assert st["prefix_hit_tokens"] == 3 * 48  # three prompts shared the first one's three blocks
+    assert admitted[4] < min(admitted[1:4])  # the other prompt did not wait behind them
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, dict(temperature=0.8, top_k=20, seed=5, ignore_eos=True)])
 def test_sequences_that_outgrow_the_cache_are_preempted_and_go_on_with_the_tokens_they_get_alone(sampling):
     """Blocks are taken as tokens are written, not for max_new_tokens up front: three requests

@@ -85,14 +85,24 @@ class BlockPool:
             out.append(prev)
         return out
 
-    def admit(self, prompt: list[int], positions: int, headroom: int = 0) -> Grant | None:
-        """The blocks of ``positions`` positions of a sequence whose prompt is ``prompt``, sharing
-        the kept blocks of its longest kept prefix; None (nothing taken) when fewer than they and
-        ``headroom`` more are free. At least the prompt's last token is left to compute (its
-        logits give the first new token)."""
-        keys = self.keys(prompt) if self.prefix else []
+    def shareable(self, prompt: list[int], keys: list[bytes]) -> list[bytes]:
+        """Of a prompt's ``keys``, those of the blocks it may share: at least its last token is
+        left to compute (its logits give the first new token)."""
+        return keys[: (len(prompt) - 1) // self.block_size]
+
+    def first_missing(self, prompt: list[int], keys: list[bytes]) -> bytes | None:
+        """The key of the first block of ``prompt``'s shareable prefix that is not kept, if any."""
+        return next((k for k in self.shareable(prompt, keys) if k not in self._block_of), None)
+
+    def admit(self, prompt: list[int], positions: int, headroom: int = 0,
+              keys: list[bytes] | None = None) -> Grant | None:
+        """The blocks of ``positions`` positions of a sequence whose prompt is ``prompt`` (its
+        ``keys``, if computed already), sharing the kept blocks of its longest kept prefix; None
+        (nothing taken) when fewer than they and ``headroom`` more are free."""
+        if keys is None:
+            keys = self.keys(prompt) if self.prefix else []
         hits: list[int] = []
-        for key in keys[: (len(prompt) - 1) // self.block_size]:
+        for key in self.shareable(prompt, keys):
             b = self._block_of.get(key)
             if b is None:
                 break

@@ -46,14 +46,15 @@ class NonFiniteLogits(RuntimeError):
 class Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "keys", "admitted", "prefilled", "pos", "written",
-                 "last", "n_gen", "out", "text", "gen", "stops")
+    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "keys", "prompt_keys", "admitted", "prefilled",
+                 "pos", "written", "last", "n_gen", "out", "text", "gen", "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
         self.slot = -1
         self.blocks: list[int] | None = None  # a paged cache's blocks it holds
         self.keys: list[bytes] = []  # its prompt's full blocks' keys, kept once it is prefilled (blocks.py)
+        self.prompt_keys: list[bytes] | None = None  # the same, computed once per prompt while it waits
         self.admitted = 0  # the scheduler's count of admissions when it was last admitted
         self.prefilled = 0  # prompt tokens in the cache
         self.pos = 0  # next cache position to write (tokens in the cache)
@@ -111,20 +112,34 @@ class Scheduler:
         return not (self.waiting or self.prefilling or self.decoding or self.pending)
 
     def admit(self) -> None:
-        while self.waiting and self.free:
-            s = self.waiting[0]
+        """Waiting requests take free slots (and, paged, their blocks) in order. Paged with prefix
+        reuse, a prompt whose next block of shareable prefix another admitted prompt is computing
+        now (a burst of chats behind one system prompt) waits until that one is in the cache and
+        then shares it; those behind it go on meanwhile."""
+        pool = self.pool
+        computing = {k for q in self.prefilling for k in q.keys} if pool is not None and pool.prefix else None
+        i = 0
+        while i < len(self.waiting) and self.free:
+            s = self.waiting[i]
             grant = None
-            if self.pool is not None:
+            if pool is not None:
+                if s.prompt_keys is None:
+                    s.prompt_keys = pool.keys(s.prompt) if pool.prefix else []
+                if computing and pool.first_missing(s.prompt, s.prompt_keys) in computing:
+                    i += 1
+                    continue
                 # its prompt and its first token's position; while others run, a hundredth of the
                 # cache stays free for them to grow into (fewer preemptions)
-                room = -(-self.pool.capacity // 100) if self.prefilling or self.decoding else 0
-                grant = self.pool.admit(s.prompt, len(s.prompt) + 1, room)
+                room = -(-pool.capacity // 100) if self.prefilling or self.decoding else 0
+                grant = pool.admit(s.prompt, len(s.prompt) + 1, room, s.prompt_keys)
                 if grant is None:  # in order: the first in the queue waits for its blocks
                     break
-            self.waiting.popleft()
+            del self.waiting[i]
             s.slot = heapq.heappop(self.free)
             if grant is not None:
                 s.blocks, s.keys = grant.blocks, grant.keys
+                if computing is not None:
+                    computing.update(grant.keys)
                 s.prefilled = s.written = grant.cached  # its shared prefix is in the cache already
                 self._assign(s.slot, s.blocks, grant.clear)
             self._admissions += 1
@@ -162,7 +177,7 @@ class Scheduler:
         heapq.heappush(self.free, s.slot)
         s.slot = -1
         s.prompt = s.prompt[: s.handle.prompt_len] + s.out
-        s.keys, s.prefilled, s.pos, s.written = [], 0, 0, 0
+        s.keys, s.prompt_keys, s.prefilled, s.pos, s.written = [], None, 0, 0, 0
         self.waiting.appendleft(s)
         self.pool.counts["preemptions"] += 1
         log.debug("request %d preempted for KV-cache blocks after %d tokens", s.handle.id, s.n_gen)
