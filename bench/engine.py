@@ -138,32 +138,44 @@ def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[in
     import io
     import pstats
 
-    runner, events = engine.runner, []
-    decode = runner.decode
+    runner = engine.runner
+    events: dict[str, list] = {"decode": [], "prefill": [], "prefill_group": []}
+    originals = {name: getattr(runner, name) for name in events}
 
-    def timed(*a, **kw):
-        if device.type != "cuda":
-            return decode(*a, **kw)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        out = decode(*a, **kw)
-        e1.record()
-        events.append((e0, e1))
-        return out
+    def timed(name: str):
+        fn = originals[name]
 
-    runner.decode = timed
+        def call(*a, **kw):
+            if device.type != "cuda":
+                return fn(*a, **kw)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = fn(*a, **kw)
+            e1.record()
+            events[name].append((e0, e1))
+            return out
+        return call
+
+    for name in events:
+        setattr(runner, name, timed(name))
     steps0 = engine.stats()["steps"]
     t = time.perf_counter()
     tps = run_concurrent(engine, prompts, new_tokens, device)
     wall = time.perf_counter() - t
     steps = engine.stats()["steps"] - steps0
-    runner.decode = decode
+    for name, fn in originals.items():
+        setattr(runner, name, fn)
     sync(device)
-    dev_ms = sum(a.elapsed_time(b) for a, b in events)
+    ms = {name: sum(a.elapsed_time(b) for a, b in ev) for name, ev in events.items()}
+    cuda = device.type == "cuda"
+    prefills = len(events["prefill"]) + len(events["prefill_group"])
     res = {"concurrency": len(prompts), "tokens_per_s": tps, "wall_s": wall, "decode_steps": steps,
            "wall_ms_per_step": wall * 1e3 / max(steps, 1),
-           "decode_device_ms_per_step": dev_ms / max(len(events), 1) if events else None,
-           "decode_device_share": dev_ms / 1e3 / wall if events else None}
+           "decode_device_ms_per_step": ms["decode"] / max(len(events["decode"]), 1) if cuda else None,
+           "decode_device_share": ms["decode"] / 1e3 / wall if cuda else None,
+           # the prefill forwards (one prompt's chunk, or a group of fresh prompts): how many, and their share
+           "prefill_forwards": prefills if cuda else None,
+           "prefill_device_share": (ms["prefill"] + ms["prefill_group"]) / 1e3 / wall if cuda else None}
     import threading
 
     # the loop thread runs already: its profiler is switched on and off from inside its steps
