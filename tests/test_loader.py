@@ -338,7 +338,10 @@ def _evicted_file(path: Path, size: int) -> Path:
     return path
 
 
-def _wait_resident(path: Path, offset: int, length: int, timeout: float = 30) -> int:
+def _wait_resident(path: Path, offset: int, length: int, timeout: float = 30) -> bool:
+    """Whether the range came into the page cache: all of it, or all but a 32nd once the timeout
+    passed (pages the kernel reclaimed meanwhile, under the memory the rest of the suite holds;
+    one read-ahead hint alone brings in 128 KiB of a file, far below that)."""
     import time
 
     from weights.readahead import resident_bytes
@@ -346,7 +349,7 @@ def _wait_resident(path: Path, offset: int, length: int, timeout: float = 30) ->
     deadline = time.time() + timeout
     while resident_bytes(path, offset, length) < length and time.time() < deadline:
         time.sleep(0.05)
-    return resident_bytes(path, offset, length)
+    return resident_bytes(path, offset, length) >= length - length // 32
 
 
 def test_prefetch_reads_the_whole_file_into_the_page_cache(tmp_path):
@@ -363,7 +366,7 @@ def test_prefetch_reads_the_whole_file_into_the_page_cache(tmp_path):
     assert proc is not None and time.perf_counter() - t0 < 1.0  # returns at once
     assert prefetch(tmp_path) is proc  # the directory's model.cst: the same helper
     assert proc.wait(timeout=60) == 0
-    assert _wait_resident(f, 0, size) == size
+    assert _wait_resident(f, 0, size)
 
 
 def test_prefetch_reads_ahead_at_most_half_the_free_memory(tmp_path, monkeypatch):
@@ -373,7 +376,7 @@ def test_prefetch_reads_ahead_at_most_half_the_free_memory(tmp_path, monkeypatch
     f = _evicted_file(tmp_path / "model.cst", size)
     monkeypatch.setattr(readahead, "_available_memory", lambda: 32 << 20)  # half: 16 MiB
     assert readahead.prefetch(f).wait(timeout=60) == 0
-    assert _wait_resident(f, 0, 16 << 20) == 16 << 20
+    assert _wait_resident(f, 0, 16 << 20)
     rest = readahead.resident_bytes(f, 16 << 20, size - (16 << 20))
     assert rest < (size - (16 << 20)) // 4, f"{rest >> 20} MiB past the limit were read ahead"
 
@@ -389,7 +392,7 @@ def test_trickle_reads_the_file_one_piece_at_a_time_and_stops(tmp_path):
     proc = readahead.trickle(f, piece=1 << 20)
     assert proc is not None and readahead.trickle(tmp_path) is proc  # the directory's model.cst
     assert proc.wait(timeout=60) == 0
-    assert _wait_resident(f, 0, size) == size and not readahead.is_cold(f)
+    assert _wait_resident(f, 0, size) and not readahead.is_cold(f)
     assert readahead.stop_trickle(f) is False  # it had finished
     assert readahead.stop_trickle(f) is False  # and is forgotten
     # a long one (6144 reads of 4 KiB, one at a time), stopped while it runs
