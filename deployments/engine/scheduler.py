@@ -46,15 +46,16 @@ class NonFiniteLogits(RuntimeError):
 class Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "keys", "prompt_keys", "admitted", "prefilled",
-                 "pos", "written", "last", "n_gen", "out", "text", "gen", "stops")
+    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "prompt_keys", "admitted", "prefilled", "pos",
+                 "written", "last", "n_gen", "out", "text", "gen", "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
         self.slot = -1
         self.blocks: list[int] | None = None  # a paged cache's blocks it holds
-        self.keys: list[bytes] = []  # its prompt's full blocks' keys, kept once it is prefilled (blocks.py)
-        self.prompt_keys: list[bytes] | None = None  # the same, computed once per prompt while it waits
+        # its prompt's full blocks' keys (blocks.py), computed once per prompt while it waits; its
+        # blocks are kept under them once it is prefilled
+        self.prompt_keys: list[bytes] | None = None
         self.admitted = 0  # the scheduler's count of admissions when it was last admitted
         self.prefilled = 0  # prompt tokens in the cache
         self.pos = 0  # next cache position to write (tokens in the cache)
@@ -117,7 +118,8 @@ class Scheduler:
         now (a burst of chats behind one system prompt) waits until that one is in the cache and
         then shares it; those behind it go on meanwhile."""
         pool = self.pool
-        computing = {k for q in self.prefilling for k in q.keys} if pool is not None and pool.prefix else None
+        computing = ({k for q in self.prefilling for k in q.prompt_keys} if pool is not None and pool.prefix
+                     else None)
         i = 0
         while i < len(self.waiting) and self.free:
             s = self.waiting[i]
@@ -137,7 +139,7 @@ class Scheduler:
             del self.waiting[i]
             s.slot = heapq.heappop(self.free)
             if grant is not None:
-                s.blocks, s.keys = grant.blocks, grant.keys
+                s.blocks = grant.blocks
                 if computing is not None:
                     computing.update(grant.keys)
                 s.prefilled = s.written = grant.cached  # its shared prefix is in the cache already
@@ -177,7 +179,7 @@ class Scheduler:
         heapq.heappush(self.free, s.slot)
         s.slot = -1
         s.prompt = s.prompt[: s.handle.prompt_len] + s.out
-        s.keys, s.prompt_keys, s.prefilled, s.pos, s.written = [], None, 0, 0, 0
+        s.prompt_keys, s.prefilled, s.pos, s.written = None, 0, 0, 0
         self.waiting.appendleft(s)
         self.pool.counts["preemptions"] += 1
         log.debug("request %d preempted for KV-cache blocks after %d tokens", s.handle.id, s.n_gen)
@@ -212,9 +214,8 @@ class Scheduler:
         for j, s in enumerate(seqs):
             self.prefilling.remove(s)
             s.pos = len(s.prompt)
-            if s.keys:
-                self.pool.keep(s.blocks, s.keys)
-                s.keys = []
+            if s.prompt_keys:
+                self.pool.keep(s.blocks, s.prompt_keys)
             if s.n_gen:  # prefilled again after a preemption: its generator goes on
                 self.decoding.append(s)
                 rows.append(j)
