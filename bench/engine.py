@@ -137,6 +137,7 @@ def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[in
     import cProfile
     import io
     import pstats
+    import threading
 
     runner = engine.runner
     events: dict[str, list] = {"decode": [], "prefill": [], "prefill_group": []}
@@ -176,7 +177,6 @@ def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[in
            # the prefill forwards (one prompt's chunk, or a group of fresh prompts): how many, and their share
            "prefill_forwards": prefills if cuda else None,
            "prefill_device_share": (ms["prefill"] + ms["prefill_group"]) / 1e3 / wall if cuda else None}
-    import threading
 
     # the loop thread runs already: its profiler is switched on and off from inside its steps
     prof, target = cProfile.Profile(), engine._thread.ident
