@@ -80,6 +80,14 @@ def test_the_median_deploy_counts():
     assert median_run(runs[:1]) is runs[0]
 
 
+def _bytes_read_by_this_process() -> int:
+    """rchar of /proc/self/io: the bytes this process asked read(2) for, cached or not."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
 def test_warm_cache_leaves_the_files_in_the_page_cache(tmp_path):
     import os
 
@@ -87,16 +95,26 @@ def test_warm_cache_leaves_the_files_in_the_page_cache(tmp_path):
     from deployments.tools.doctor import drop_page_cache
     from weights.readahead import resident_fraction
 
+    if not Path("/proc/self/io").exists():
+        pytest.skip("no /proc/self/io here")
+    size = 80 << 20
     f = tmp_path / "w.bin"
-    f.write_bytes(os.urandom(80 << 20))
+    f.write_bytes(os.urandom(size))
     drop_page_cache([f])
     before = resident_fraction(f, samples=256)
     if before is None or before > 0.5:
         pytest.skip("this filesystem keeps the file cached (or mincore is unavailable)")
+    read0 = _bytes_read_by_this_process()
     warm_cache(tmp_path)
-    assert resident_fraction(f, samples=256) >= 0.999
+    assert _bytes_read_by_this_process() - read0 >= size  # read once, whole
+    # all of it cached, but for the few pages the kernel may reclaim at once under the memory
+    # the rest of the suite holds
+    assert resident_fraction(f, samples=256) >= 31 / 32
+    cached = resident_fraction(f, samples=256) >= 0.999
+    read1 = _bytes_read_by_this_process()
     warm_cache(tmp_path)  # resident already: sampled, not read again
-    assert resident_fraction(f, samples=256) >= 0.999
+    again = _bytes_read_by_this_process() - read1
+    assert again < (1 << 20) if cached else again >= size
 
 
 def test_a_run_from_another_run_is_marked(partial, tmp_path, monkeypatch):
