@@ -589,6 +589,48 @@ def test_prefill_batch_equals_one_prompt_at_a_time(arch, kw):
             torch.testing.assert_close(together.v[layer][s, :, : len(p)], alone.v[layer][s, :, : len(p)])
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 6}),
+                                      ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1})])
+def test_prefill_batch_after_each_rows_prefix_equals_one_prompt_at_a_time(arch, kw, paged):
+    """The rests of prompts whose first ``start`` positions are in the cache (each slot its own
+    prefix here) in one forward at ``start``: each row's logits and cache entries are those of
+    its prompt's prefill alone, over a static cache and over a paged one."""
+    hf, config = hf_model(arch, **kw)
+    model = build_model(config, state_tensors(hf))
+    start, lens, slots = 16, [16, 9, 3, 12], [2, 0, 3, 1]
+    g = torch.Generator().manual_seed(4)
+    prefixes = [torch.randint(1, 90, (start,), generator=g).tolist() for _ in lens]
+    rests = [torch.randint(1, 90, (n,), generator=g).tolist() for n in lens]
+
+    def new_cache():
+        if not paged:
+            return model.new_cache(4, 48)
+        cache = model.new_paged_cache(13, 16, 4, 48)  # 3 blocks per slot, not in slot order
+        for s in range(4):
+            cache.assign(s, [1 + 3 * ((s + 1) % 4) + b for b in range(3)])
+        return cache
+    alone, together = new_cache(), new_cache()
+    with torch.inference_mode():
+        for cache in (alone, together):
+            for pre, s in zip(prefixes, slots):
+                model.prefill(torch.tensor([pre]), cache, s, 0)
+        want = torch.stack([model.prefill(torch.tensor([r]), alone, s, start) for r, s in zip(rests, slots)])
+        tokens = torch.tensor([r + [0] * (16 - len(r)) for r in rests])
+        got = model.prefill_batch(tokens, together, slots, lens, logit_rows=8, start=start)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for r, s in zip(rests, slots):
+            end = start + len(r)
+            for layer in range(len(alone.k)):
+                if paged:
+                    (ka, va), (kt, vt) = (c.read(layer, torch.tensor([s]), end) for c in (alone, together))
+                else:
+                    ka, va = alone.k[layer][s, :, :end], alone.v[layer][s, :, :end]
+                    kt, vt = together.k[layer][s, :, :end], together.v[layer][s, :, :end]
+                torch.testing.assert_close(kt, ka)
+                torch.testing.assert_close(vt, va)
+
+
 def test_prefill_batch_rejects_bad_rows():
     hf, config = hf_model()
     model = build_model(config, state_tensors(hf))

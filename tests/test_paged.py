@@ -294,20 +294,29 @@ def test_prompts_that_share_a_prefix_share_its_blocks_and_get_their_own_tokens(a
 def test_a_burst_behind_one_system_prompt_computes_it_once():
     """Prompts that arrive together behind one system prompt, none of it in the cache yet: the
     first is admitted and computes it; the others wait until it is in the cache, then share it
-    (a prompt of other tokens behind them goes on meanwhile), and each gets its own tokens."""
+    (a prompt of other tokens behind them goes on meanwhile), and their rests, which pad to one
+    length, share one forward from the prefix's end; each gets its own tokens."""
     hf, cfg = hf_model("llama")
     system = list(range(3, 51))  # 48 tokens: three full blocks of 16
-    prompts = [system + [60 + i] * (i + 1) for i in range(4)] + [[90] * 20]
+    prompts = [system + [60 + i] * (i + 1) for i in range(6)] + [[90] * 20]
     want = [hf_greedy(hf, p, 8) for p in prompts]
-    eng = _engine(cfg, hf, max_slots=5, kv_blocks=40)
+    eng = _engine(cfg, hf, max_slots=7, kv_blocks=40, prefill_chunk=32)
+    groups = []
+    real = eng.model.prefill_batch
+    eng.model.prefill_batch = lambda tokens, *a, start=0, **k: (
+        groups.append((*tokens.shape, start)), real(tokens, *a, start=start, **k))[1]
     with eng:
         hs = eng.submit_many([(p, SamplingParams(max_new_tokens=8, **GREEDY)) for p in prompts])
         got = [h.result(timeout=120)[0] for h in hs]
         st = eng.stats()
         admitted = [h.admitted_at for h in hs]
     assert got == want
-    assert st["prefix_hit_tokens"] == 3 * 48  # three prompts shared the first one's three blocks
-    assert admitted[4] < min(admitted[1:4])  # the other prompt did not wait behind them
+    assert st["prefix_hit_tokens"] == 5 * 48  # five prompts shared the first one's three blocks
+    assert admitted[6] < min(admitted[1:6])  # the other prompt did not wait behind them
+    # start's own (2 x 8 at 0); then four of the five rests (2..6 tokens, each padded to 8) at 48,
+    # and the fifth alone
+    assert groups == [(2, 8, 0), (4, 8, 48)]
+    assert st["batched_prefills"] == 1
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, dict(temperature=0.8, top_k=20, seed=5, ignore_eos=True)])
@@ -331,3 +340,37 @@ def test_sequences_that_outgrow_the_cache_are_preempted_and_go_on_with_the_token
     assert st["preemptions"] > 0 and st["kv_blocks_free"] == st["kv_blocks"] == 6
     if sampling is GREEDY:
         assert alone == [hf_greedy(hf, p, 50) for p in prompts]
+
+
+def test_a_group_past_a_prefix_is_bounded_by_the_positions_it_gathers():
+    """Rests that start past a prefix share a forward in powers of two, no more rows than the
+    chunk holds and, since each row's attention gathers its cached positions, no more than
+    ``max_read`` positions in all; fresh prompts gather none. The first pair in order that can
+    share a forward decides."""
+    import threading
+
+    from deployments.engine.request import RequestHandle, TextState
+    from deployments.engine.scheduler import Scheduler, Seq
+
+    def seq(n: int, prefilled: int) -> Seq:
+        s = Seq(RequestHandle(0, n, threading.Event()), [5] * n, SamplingParams(), TextState(None, []), set())
+        s.prefilled = prefilled
+        return s
+
+    def padded(n: int, start: int) -> int:  # powers of two from 8
+        return max(8, 1 << (n - 1).bit_length())
+
+    sch = Scheduler(16, torch.device("cpu"), lambda slot, upto: None)
+    alone, past = seq(50, 0), [seq(64 + 5, 64) for _ in range(8)]
+    fresh = [seq(6, 0) for _ in range(8)]
+    sch.prefilling = [alone, *past, *fresh]
+    group, L, start = sch.prefill_group(64, padded, max_read=4 * 72)
+    assert (group, L, start) == (past[:4], 8, 64)  # 4 x (64 + 8) positions; 8 would gather twice that
+    group, L, start = sch.prefill_group(64, padded, max_read=7 * 72)
+    assert len(group) == 4  # a power of two
+    group, L, start = sch.prefill_group(64, padded, max_read=71)
+    assert (group, L, start) == (fresh, 8, 0)  # not two rows past the prefix: the next pair, 8 x 8 rows
+    sch.prefilling = [alone, past[0], *fresh[:3]]
+    assert sch.prefill_group(64, padded, max_read=0) == (fresh[:2], 8, 0)  # no prefix to gather
+    sch.prefilling = [alone, past[0], fresh[0]]
+    assert sch.prefill_group(64, padded, max_read=10**6) == ([], 0, 0)  # no two alike: each alone

@@ -4,8 +4,8 @@ One background thread owns the device. Each turn of its loop:
   1. the scheduler takes new submissions and cancellations, and gives waiting requests free
      KV-cache slots;
   2. admitted prompts are prefilled, ``prefill_chunk`` tokens per turn, so a long prompt does
-     not stall running sequences for more than one chunk (fresh prompts that pad to one length
-     share one forward);
+     not stall running sequences for more than one chunk (prompts that start at one position,
+     0 or past one shared prefix, and pad to one length share one forward);
   3. the runner launches one decode step for every decoding sequence (a CUDA-graph replay on
      CUDA);
   4. while the device runs it, the scheduler turns the previous step's tokens into text and
@@ -97,7 +97,7 @@ class Engine:
     def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestHandle]:
         """Queue several requests at once: every one is checked first (nothing is queued if one is
         bad), then all reach the loop at the same step boundary, so that they are admitted
-        together (fresh prompts of one padded length then share a prefill)."""
+        together (prompts of one start and one padded length then share a prefill)."""
         seqs = [self._seq(ids, params) for ids, params in requests]
         self.scheduler.add(*seqs)
         self._wake.set()
@@ -226,9 +226,9 @@ class Engine:
         s, r = self.scheduler, self.runner
         budget = self.config.prefill_chunk
         if r.batched_prefill:
-            group, L = s.fresh_group(budget, r.padded_len)
+            group, L, start = s.prefill_group(budget, r.padded_len, r.group_read)
             if group:
-                self._prefill_group(group, L)
+                self._prefill_group(group, L, start)
                 budget -= len(group) * L
         for seq in list(s.prefilling):
             if budget <= 0:
@@ -251,13 +251,15 @@ class Engine:
             if seq.prefilled == len(seq.prompt):
                 s.prefilled([seq], logits.unsqueeze(0))
 
-    def _prefill_group(self, group: list[Seq], L: int) -> None:
-        """One forward for ``group`` (``Scheduler.fresh_group``); their first tokens are sampled at once."""
+    def _prefill_group(self, group: list[Seq], L: int, start: int) -> None:
+        """One forward for ``group`` (``Scheduler.prefill_group``): the rest of each prompt, from
+        ``start``; their first tokens are sampled at once."""
         s = self.scheduler
         for seq in group:
-            seq.written = max(seq.written, L)
+            seq.written = max(seq.written, start + L)
         try:
-            logits = self.runner.prefill_group([seq.prompt for seq in group], [seq.slot for seq in group], L)
+            logits = self.runner.prefill_group([seq.prompt[start:] for seq in group], [seq.slot for seq in group],
+                                               L, start)
         except Exception as e:
             if is_device_error(e):
                 raise
@@ -266,8 +268,8 @@ class Engine:
                 s.finish(seq, "error", e)
             return
         for seq in group:
+            s.counts["prompt_tokens"] += len(seq.prompt) - start
             seq.prefilled = len(seq.prompt)
-            s.counts["prompt_tokens"] += len(seq.prompt)
         self._stats["batched_prefills"] += 1
         s.prefilled(group, logits)
 

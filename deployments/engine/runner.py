@@ -75,10 +75,13 @@ class ModelRunner:
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
         self.prefill_lengths = (prefill_lengths(cfg.prefill_chunk, cfg.prefill_min_len)
                                 if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
-        # fresh prompts of one padded length share a forward; its head always multiplies the most
+        # prompts of one start and one padded length share a forward; its head always multiplies the most
         # rows a group can have, one shape for every group
         self.batched_prefill = bool(self.prefill_lengths) and getattr(model, "supports_batched_prefill", False)
         self._logit_rows = max(1, cfg.prefill_chunk // 16)
+        # past a prefix, a group's attention gathers each row's cached positions: at most four
+        # longest prompts' worth (a single prompt's chunk gathers up to one)
+        self.group_read = 4 * cfg.max_seq_len
         self.stats: dict[str, Any] = {"capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
                                       "late_captures": {}}
 
@@ -154,11 +157,12 @@ class ModelRunner:
             return self.model.prefill(chunk, self.cache, slot, start, n_valid=n), padded
         return self.model.prefill(torch.tensor([ids], device=self.device), self.cache, slot, start), n
 
-    def prefill_group(self, prompts: list[list[int]], slots: list[int], L: int) -> torch.Tensor:
-        """Whole fresh prompts, each padded to ``L``, in one forward: logits [R, V]."""
+    def prefill_group(self, prompts: list[list[int]], slots: list[int], L: int, start: int = 0) -> torch.Tensor:
+        """The rests of prompts from ``start`` (their positions before it in the cache already),
+        each padded to ``L``, in one forward: logits [R, V]."""
         tokens = torch.tensor([p + [0] * (L - len(p)) for p in prompts], device=self.device)
         return self.model.prefill_batch(tokens, self.cache, slots, [len(p) for p in prompts],
-                                        logit_rows=self._logit_rows)
+                                        logit_rows=self._logit_rows, start=start)
 
     def decode(self, B: int, L: int, rows: list[tuple[int, int, int]]) -> torch.Tensor:
         """One decode step over slots 0..B-1 reading keys up to ``L``; ``rows``: (slot, token,

@@ -2,10 +2,11 @@
 
 It owns the requests' queues and the KV-cache slots: new submissions and cancellations are
 taken at a step boundary (``intake``); waiting requests get free slots, lowest first, so the
-live slots stay packed at the front and the decode batch stays small (``admit``); fresh
-prompts that pad to one length share one forward (``fresh_group``). After the device has run
-a step it samples each sequence's token, retires sequences that hit a stop token or their
-length at once, and turns tokens into text, checking stop strings (``sample``, ``emit_pending``).
+live slots stay packed at the front and the decode batch stays small (``admit``); prompts
+whose rest starts at one position (0, or past one shared prefix) and pads to one length share
+one forward (``prefill_group``). After the device has run a step it samples each sequence's
+token, retires sequences that hit a stop token or their length at once, and turns tokens into
+text, checking stop strings (``sample``, ``emit_pending``).
 Only the engine's loop thread calls it, but for ``add``.
 
 A failure inside one request's sampling or detokenizing fails only that request; a device
@@ -188,23 +189,37 @@ class Scheduler:
         with self.lock:
             return len(self.inbox) + len(self.waiting)
 
-    def fresh_group(self, chunk: int, padded_len: Callable[[int, int], int]) -> tuple[list[Seq], int]:
-        """Prompts to prefill in one forward: the first fresh prompt that fits one chunk and the
-        next ones of its padded length L, as many as make a number of rows R, a power of two,
-        with R x L <= chunk. Every matrix product then has R x L rows, a length the engine ran
-        before serving (prefill lengths are powers of two), so no first-time cost reaches a
-        request. ([], 0) when there is no such pair of prompts."""
-        fresh = [s for s in self.prefilling if s.prefilled == 0 and len(s.prompt) <= chunk]
-        if len(fresh) < 2:
-            return [], 0
-        L = padded_len(len(fresh[0].prompt), 0)
-        if L & (L - 1):  # chunk itself, not a power of two: alone
-            return [], 0
-        same = [s for s in fresh if padded_len(len(s.prompt), 0) == L]
-        R = 1
-        while R * 2 <= len(same) and R * 2 * L <= chunk:
-            R *= 2
-        return (same[:R], L) if R > 1 else ([], 0)
+    def prefill_group(self, chunk: int, padded_len: Callable[[int, int], int], max_read: int
+                      ) -> tuple[list[Seq], int, int]:
+        """Prompts to prefill in one forward, (seqs, L, start): prompts whose rest fits one chunk
+        and starts at one position ``start`` (0 for fresh prompts; the length of a prefix they
+        found in the cache, as a burst behind one system prompt does) and pads to one length L, as
+        many as make a number of rows R, a power of two, with R x L <= chunk and, past a prefix,
+        R x (start + L) <= ``max_read`` (the cached positions the forward gathers for its
+        attention); the first pair in admission order that can decides (start, L). Every matrix
+        product then has R x L rows, a length the engine ran before serving (prefill lengths are
+        powers of two), so no first-time cost of a GEMM shape reaches a request. ([], 0, 0) when
+        there is no such pair of prompts."""
+        groups: dict[tuple[int, int], list[Seq]] = {}
+        pairs = []  # the keys that have two prompts, in order
+        for s in self.prefilling:
+            n = len(s.prompt) - s.prefilled
+            if n > chunk:
+                continue
+            L = padded_len(n, s.prefilled)
+            if L & (L - 1):  # chunk itself, or no room to pad, not a power of two: alone
+                continue
+            same = groups.setdefault((s.prefilled, L), [])
+            same.append(s)
+            if len(same) == 2:
+                pairs.append((s.prefilled, L))
+        for start, L in pairs:
+            same, R = groups[start, L], 1
+            while R * 2 <= len(same) and R * 2 * L <= chunk and (start == 0 or R * 2 * (start + L) <= max_read):
+                R *= 2
+            if R > 1:
+                return same[:R], L, start
+        return [], 0, 0
 
     # ---------------------------------------------------------------- after a forward
     def prefilled(self, seqs: list[Seq], logits: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ class AttnContext:
     cache: KVCache | PagedKVCache | None = None
     slot: int = 0  # prefill
     start: int = 0  # prefill: position of the chunk's first token
-    slots: torch.Tensor | None = None  # prefill of several fresh prompts: [B] cache slot of each row
+    slots: torch.Tensor | None = None  # prefill of several prompts (each at ``start``): [B] cache slot of each row
     positions: torch.Tensor | None = None  # decode: [B] int64
     # decode, the Triton attention: each row reads its keys up to this position; a padding row's
     # is 0 (one key, where its own position would make it read the whole cache)
@@ -167,11 +167,15 @@ class Attention(nn.Module):
             out = self._sdpa(q, k, v, mask)
         elif ctx.cache.paged:
             out = self._paged(q, k, v, mask, ctx)
-        elif ctx.mode == "prefill" and ctx.slots is not None:  # fresh prompts, row b into slot slots[b]
+        elif ctx.mode == "prefill" and ctx.slots is not None:  # several prompts, row b into slot slots[b]
             kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
-            kc[ctx.slots, :, :S] = k
-            vc[ctx.slots, :, :S] = v
-            out = self._sdpa(q, k, v, mask)  # causal over each prompt itself (mask: sliding windows)
+            end = ctx.start + S
+            kc[ctx.slots, :, ctx.start : end] = k
+            vc[ctx.slots, :, ctx.start : end] = v
+            if ctx.start == 0:
+                out = self._sdpa(q, k, v, mask)  # causal over each prompt itself (mask: sliding windows)
+            else:  # their prefixes too
+                out = self._sdpa(q, kc[ctx.slots, :, :end], vc[ctx.slots, :, :end], mask)
         elif ctx.mode == "prefill":
             kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
             end = ctx.start + S
@@ -196,9 +200,12 @@ class Attention(nn.Module):
         the cache holds (gathered). q, k, v: [B, heads, S, Dh]."""
         cache, i = ctx.cache, self.layer_idx
         B, S, dev = q.shape[0], q.shape[2], q.device
-        if ctx.mode == "prefill" and ctx.slots is not None:  # fresh prompts, row b into slot slots[b]
-            cache.write(i, ctx.slots, torch.arange(S, device=dev).expand(B, S), k, v)
-            return self._sdpa(q, k, v, mask)
+        if ctx.mode == "prefill" and ctx.slots is not None:  # several prompts, row b into slot slots[b]
+            cache.write(i, ctx.slots, torch.arange(ctx.start, ctx.start + S, device=dev).expand(B, S), k, v)
+            if ctx.start == 0:
+                return self._sdpa(q, k, v, mask)
+            kc, vc = cache.read(i, ctx.slots, ctx.start + S)  # their prefixes too
+            return self._sdpa(q, kc, vc, mask)
         if ctx.mode == "prefill":
             slot = torch.tensor([ctx.slot], device=dev)
             cache.write(i, slot, torch.arange(ctx.start, ctx.start + S, device=dev).unsqueeze(0), k, v)

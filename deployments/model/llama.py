@@ -278,25 +278,27 @@ class Transformer(nn.Module):
         return self._head(h[0, (n_valid or C) - 1])
 
     def prefill_batch(self, tokens: torch.Tensor, cache: KVCache, slots: list[int], n_valid: list[int],
-                      logit_rows: int | None = None) -> torch.Tensor:
-        """Several fresh prompts in one forward: row b of tokens [B, C] is a whole prompt (its
-        first ``n_valid[b]`` tokens, padded after them) at positions 0..C-1 of cache slot
-        ``slots[b]``. Returns the logits [B, V] of each row's last valid position, the same as
-        B calls of ``prefill``. The head multiplies ``logit_rows`` (>= B) rows, padded with
-        row 0, so that its matrix product has one shape whatever B is (a new shape costs its
-        first run in a request's time)."""
+                      logit_rows: int | None = None, start: int = 0) -> torch.Tensor:
+        """Several prompts' chunks in one forward: row b of tokens [B, C] holds the next
+        ``n_valid[b]`` tokens of the prompt in cache slot ``slots[b]`` (padded after them), at
+        positions start..start+C-1; every row's cache holds its positions before ``start``
+        already (a shared prefix; none for fresh prompts). Returns the logits [B, V] of each row's
+        last valid position, the same as B calls of ``prefill``. The head multiplies
+        ``logit_rows`` (>= B) rows, padded with row 0, so that its matrix product has one shape
+        whatever B is (a new shape costs its first run in a request's time)."""
         B, C = tokens.shape
         if len(slots) != B or len(n_valid) != B or not all(0 < n <= C for n in n_valid):
             raise ValueError(f"prefill_batch: {B} rows of {C} tokens need {B} slots and 1..{C} valid "
                              f"tokens each, got slots={slots}, n_valid={n_valid}")
         if len(set(slots)) != B:
             raise ValueError(f"prefill_batch: each row needs its own cache slot, got {slots}")
-        self._check_len(C)
+        end = start + C
+        self._check_len(end)
         dev = tokens.device
-        ctx = AttnContext("prefill", self._cos[:C].expand(B, C, -1), self._sin[:C].expand(B, C, -1), {}, cache,
-                          slots=torch.tensor(slots, device=dev))
-        if any(w is not None for w in self.config.layer_windows):
-            ctx.masks = self._masks(torch.arange(C, device=dev).expand(B, C), C)
+        ctx = AttnContext("prefill", self._cos[start:end].expand(B, C, -1), self._sin[start:end].expand(B, C, -1),
+                          {}, cache, start=start, slots=torch.tensor(slots, device=dev))
+        if start > 0 or any(w is not None for w in self.config.layer_windows):
+            ctx.masks = self._masks(torch.arange(start, end, device=dev).expand(B, C), end)
         h = self._run(tokens, ctx)  # [B, C, D]
         rows = max(B, logit_rows or B)
         take = torch.tensor([n - 1 for n in n_valid] + [n_valid[0] - 1] * (rows - B), device=dev)
