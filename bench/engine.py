@@ -117,14 +117,25 @@ def import_seconds() -> float:
     return float(out.stdout.strip())
 
 
-def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
-    """Total generated tokens/s with all prompts submitted at once (prefill included)."""
+WORK = ("steps", "batched_prefills", "busy_s", "prompt_tokens")  # the counters bench/throughput.py reads too
+
+
+def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device,
+                   work: dict | None = None) -> float:
+    """Total generated tokens/s with all prompts submitted at once (prefill included); ``work``
+    gets the engine's steps, shared prefills and busy time in the run."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     sync(device)
+    before = engine.stats()
     t0 = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
     n = sum(len(h.result(timeout=600)[0]) for h in handles)
-    return n / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    time.sleep(0.05)  # (the loop's last turn ends after the last request's)
+    if work is not None:
+        after = engine.stats()
+        work.update({k: after[k] - before[k] for k in WORK})
+    return n / wall
 
 
 def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[int]], new_tokens: int,
@@ -378,8 +389,10 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         # --new-prefix: a system prompt the cache has not seen, shared by this run's prompts alone
         fresh = torch.randint(3, vocab, (args.shared_prefix,), generator=gen).tolist() if args.new_prefix else None
+        work: dict = {}
         res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt(True, fresh) for _ in range(c)], args.new_tokens,
-                                                   device)
+                                                   device, work)
+        res[f"work_b{c}"] = work
     if args.profile:
         c = max(c for c in args.concurrency if c <= args.max_slots)
         res["profile"] = profile_steps(engine, [prompt() for _ in range(c)], [prompt() for _ in range(c)],

@@ -5,12 +5,16 @@
 
 Deploys one replica of the application (one GPU, serve_config.yaml's warm-up) with the given
 `args.engine`, then for each concurrency C sends C `/generate` requests at once (prompts of
---prompt-len tokens of the model's own tokenizer, each begun with its own number so that no two
-requests of the run share a prefix (the paged cache's prefix reuse stays out of the figure, as in the engine's random
-prompts), --new-tokens greedy tokens each, end of sequence ignored) and times them from the first send to the last answer: total completion
+--prompt-len tokens as the replica counts them, each begun with its own number so that no two
+requests of the run share a prefix: the paged cache's prefix reuse stays out of the figure, as in
+the engine's random prompts; --new-tokens greedy tokens each, end of sequence ignored) and times
+them from the first send to the last answer: total completion
 tokens / wall seconds, the figure `bench/engine.py --concurrency` gives for the engine alone
 (run it in the same session: the ratio is what counts on a shared host). Each concurrency runs
---rounds times; the median counts.
+--rounds times; the median counts. Beside each burst: the engine's steps, shared prefills and
+busy time in it (from `/stats`, as `bench/engine.py` records them), and the median request's
+time outside the engine (its wait at the client less the `x-coldstart-engine-s` header), which
+tell an HTTP path's cost apart from an engine that worked differently under it.
 """
 
 from __future__ import annotations
@@ -28,30 +32,58 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def prompt_text(packed: Path, n: int) -> str:
-    """About ``n`` tokens of text in the model's tokenizer (the demo corpus, repeated)."""
+def prompt_texts(packed: Path, n: int, count: int) -> list[str]:
+    """``count`` texts of ``n`` tokens as the replica counts them (its tokenizer, with its special
+    tokens), each begun with its own number, so that no two share a prefix: the demo corpus,
+    repeated, cut to length. The same length as `bench/engine.py --prompt-len`'s prompts, so both
+    pad to one prefill length (a prompt a few tokens longer pads to twice it)."""
     from deployments.engine.tokenizer import Tokenizer
     from weights.demo import _CORPUS
     tok = Tokenizer.from_dir(packed)
-    ids = tok.encode(_CORPUS * (1 + n // 50), add_special_tokens=False)[:n]
-    return tok.decode(ids)
+    corpus = tok.encode(_CORPUS * (1 + n // 20), add_special_tokens=False)
+    out = []
+    for _ in range(count):
+        head = f"{next(_SENT)}. "
+        k = n - len(tok.encode(head))
+        while k > 0 and len(tok.encode(text := head + tok.decode(corpus[:k]))) > n:
+            k -= 1  # (a decoded text may tokenize a token longer)
+        out.append(text)
+    return out
 
 
 _SENT = itertools.count()  # every request's number, over all bursts
 
 
-async def burst(url: str, text: str, c: int, new_tokens: int) -> tuple[float, int, int]:
-    """(wall seconds, completion tokens, failures) of ``c`` concurrent requests."""
+async def burst(url: str, texts: list[str], new_tokens: int) -> dict:
+    """``c`` concurrent requests: wall seconds, completion tokens, failures, and where a request's
+    time went (the median of its wait at the client less its time in the engine, the
+    ``x-coldstart-engine-s`` header: the HTTP path's share)."""
     import httpx
-    bodies = [{"prompt": f"{next(_SENT)}. {text}", "max_new_tokens": new_tokens, "temperature": 0,
-               "ignore_eos": True} for _ in range(c)]
+    c = len(texts)
+    bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True} for t in texts]
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+
+    async def one(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
+        t = time.perf_counter()
+        r = await client.post(url, json=body)
+        return r, time.perf_counter() - t
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
-        rs = await asyncio.gather(*(client.post(url, json=b) for b in bodies), return_exceptions=True)
+        rs = await asyncio.gather(*(one(client, b) for b in bodies), return_exceptions=True)
         wall = time.perf_counter() - t0
-    ok = [r for r in rs if not isinstance(r, BaseException) and r.status_code == 200]
-    return wall, sum(r.json()["usage"]["completion_tokens"] for r in ok), c - len(ok)
+    ok = [(r, t) for r, t in (x for x in rs if not isinstance(x, BaseException)) if r.status_code == 200]
+    outside = [t - float(r.headers["x-coldstart-engine-s"]) for r, t in ok if "x-coldstart-engine-s" in r.headers]
+    usage = [r.json()["usage"] for r, _ in ok]
+    return {"wall_s": wall, "tokens": sum(u["completion_tokens"] for u in usage), "failed": c - len(ok),
+            "prompt_tokens": sorted({u["prompt_tokens"] for u in usage}), "request_s_median": statistics.median(t for _, t in ok) if ok else None,
+            "outside_engine_s_median": statistics.median(outside) if outside else None}
+
+
+def engine_work(base: str) -> dict:
+    """The replica engine's counters that tell a burst's work apart (``/stats``)."""
+    import httpx
+    e = httpx.get(f"{base}/stats", timeout=30).json()["engine"]
+    return {k: e[k] for k in ("steps", "batched_prefills", "busy_s", "prompt_tokens")}
 
 
 def main() -> None:
@@ -71,7 +103,6 @@ def main() -> None:
     from bench.serve import BASE, CONFIG_ENV, ENV, WARMUP
     from deployments.app import LLMDeployment
     packed = Path(a.packed)
-    text = prompt_text(packed, a.prompt_len)
     ray.init(runtime_env={"env_vars": {**ENV, **CONFIG_ENV}}, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     most = max(a.concurrency)
@@ -82,14 +113,23 @@ def main() -> None:
         serve.run(dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu", engine=a.engine),
                   name="tput", route_prefix="/tput")
         url = f"{BASE}/tput/generate"
-        asyncio.run(burst(url, text, min(4, most), 8))  # the first requests' one-time costs, not timed
+        asyncio.run(burst(url, prompt_texts(packed, a.prompt_len, min(4, most)), 8))  # one-time costs, not timed
         for c in a.concurrency:
             runs = []
             for _ in range(a.rounds):
-                wall, tokens, failed = asyncio.run(burst(url, text, c, a.new_tokens))
-                runs.append({"wall_s": wall, "tokens": tokens, "failed": failed, "tokens_per_s": tokens / wall})
-                print(f"  {c:4d} concurrent: {tokens / wall:9.1f} tokens/s ({tokens} tokens in {wall:.2f} s, "
-                      f"{failed} failed)", flush=True)
+                texts = prompt_texts(packed, a.prompt_len, c)
+                before = engine_work(f"{BASE}/tput")
+                r = asyncio.run(burst(url, texts, a.new_tokens))
+                after = engine_work(f"{BASE}/tput")
+                # the engine's share of the burst: its steps, shared prefills and busy time
+                r["engine"] = {k: after[k] - before[k] for k in after}
+                r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+                runs.append(r)
+                print(f"  {c:4d} concurrent: {r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in "
+                      f"{r['wall_s']:.2f} s, {r['failed']} failed); engine busy {r['engine']['busy_s']:.2f} s, "
+                      f"{r['engine']['steps']} steps, {r['engine']['batched_prefills']} shared prefills; "
+                      f"a request {r['request_s_median']:.2f} s, {r['outside_engine_s_median']:.3f} s of it "
+                      f"outside the engine (medians)", flush=True)
             res["runs"][c] = runs
         import httpx
         res["replica_engine"] = httpx.get(f"{BASE}/tput/stats", timeout=30).json()["engine"]

@@ -351,9 +351,16 @@ def test_async_consumer_cancelled_cancels_request():
 
 def test_stats_and_shutdown(engine):
     eng, _ = engine
+    t0 = time.perf_counter()
+    busy0 = eng.stats()["busy_s"]
     eng.generate([1, 2, 3], SamplingParams(max_new_tokens=5, **GREEDY))
+    time.sleep(0.3)  # (the loop's last turn ends after the request's)
+    wall = time.perf_counter() - t0
     s = eng.stats()
     assert s["tokens_generated"] >= 5 and s["steps"] >= 4 and s["prompt_tokens"] >= 3
+    assert 0 < s["busy_s"] - busy0 < wall  # the loop's turns for this request, not its idle waits
+    time.sleep(0.3)
+    assert eng.stats()["busy_s"] == s["busy_s"]
     assert (s["running"], s["waiting"], s["free_slots"]) == (0, 0, 4)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from typing import Any, Iterator
 
 import torch
@@ -74,7 +75,8 @@ class Engine:
         self._ids = itertools.count(1)
         self._capture_when_idle = False  # capture_deferred() called
         self.error: BaseException | None = None
-        self._stats = {"steps": 0, "batched_prefills": 0}
+        # busy_s: the loop's time in turns that had requests (its idle waits left out)
+        self._stats = {"steps": 0, "batched_prefills": 0, "busy_s": 0.0}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -196,9 +198,11 @@ class Engine:
                         self._wake.wait(0.1)
                         self._wake.clear()
                         continue
+                    t = time.perf_counter()
                     s.admit()
                     self._prefill_turn()
                     self._decode_step()
+                    self._stats["busy_s"] += time.perf_counter() - t
                 s.emit_pending()
         except BaseException as e:  # noqa: BLE001 - the loop must record why it died
             log.exception("engine loop died")

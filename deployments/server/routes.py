@@ -198,7 +198,12 @@ class Routes:
 
 
 def _timing(handle: Any) -> dict[str, str]:
-    return {} if handle.ttft_s is None else {"x-coldstart-ttft-s": f"{handle.ttft_s:.4f}"}
+    """A finished request's times in the engine: to its first token, and from its submission to its
+    end (the rest of what a client waited is the HTTP path's: Ray's proxy, tokenizing, answering)."""
+    out = {} if handle.ttft_s is None else {"x-coldstart-ttft-s": f"{handle.ttft_s:.4f}"}
+    if handle.finished_at is not None:
+        out["x-coldstart-engine-s"] = f"{handle.finished_at - handle.submitted_at:.4f}"
+    return out
 
 
 async def _off_loop(chars: int, fn: Callable, *args: Any, **kwargs: Any) -> Any:
