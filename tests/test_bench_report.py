@@ -275,3 +275,16 @@ def test_the_controllers_start_line_gives_when_the_replica_was_running(tmp_path)
     assert at == datetime.datetime(2026, 12, 2, 7, 31, 18, 41000).timestamp() and logged == 4.0
     assert controller_running_at(tmp_path, "y", "rfb85xm3", timeout=0) is None  # another app's replica
     assert controller_running_at(tmp_path, "x", "nothere", timeout=0) is None
+
+
+@pytest.mark.parametrize("n", [16, 40, 128])
+def test_the_http_benchmark_sends_prompts_of_the_engine_runs_length(tiny_packed, n):
+    """Each prompt is ``n`` tokens as the replica counts them (its BOS included) and begins with
+    a number of its own: the same prefill length as the engine's prompts, no shared prefix."""
+    from bench.throughput import prompt_texts
+    from deployments.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_packed)
+    texts = prompt_texts(tiny_packed, n, 12)
+    assert [len(tok.encode(t)) for t in texts] == [n] * 12
+    assert len({t.split(".")[0] for t in texts}) == 12
