@@ -675,6 +675,30 @@ def test_fresh_prompts_of_one_length_share_a_prefill(device):
         assert got == hf_greedy(hf, p, 5)
 
 
+def test_prompts_of_two_padded_lengths_share_two_forwards_in_one_turn():
+    """Where the chunk holds them, each padded length's prompts share a forward in the same turn
+    (not one shared forward and the rest one by one)."""
+    eng, hf = make_engine(start=False, prefill_chunk=128, max_slots=4, max_seq_len=128)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 20, 12, 30)]
+    groups = []
+    real = eng.model.prefill_batch
+    eng.model.prefill_batch = lambda tokens, *a, **k: (groups.append(tuple(tokens.shape)), real(tokens, *a, **k))[1]
+    single = []
+    real_one = eng.model.prefill
+    eng.model.prefill = lambda tokens, *a, **k: (single.append(tuple(tokens.shape)), real_one(tokens, *a, **k))[1]
+    try:
+        eng.start()
+        started = len(single)
+        handles = eng.submit_many([(p, SamplingParams(max_new_tokens=4, **GREEDY)) for p in prompts])
+        outs = [h.result(timeout=60)[0] for h in handles]
+    finally:
+        eng.shutdown()
+    assert groups[1:] == [(2, 16), (2, 32)] and len(single) == started  # 32 + 64 rows of the 128
+    assert eng.stats()["batched_prefills"] == 2
+    assert outs == [hf_greedy(hf, p, 4) for p in prompts]
+
+
 def test_a_failed_shared_prefill_fails_only_its_requests():
     eng, hf = make_engine(start=False, prefill_chunk=64)
     real = eng.model.prefill_batch

@@ -229,11 +229,12 @@ class Engine:
     def _prefill_turn(self) -> None:
         s, r = self.scheduler, self.runner
         budget = self.config.prefill_chunk
-        if r.batched_prefill:
+        while r.batched_prefill and budget > 0:  # as many shared forwards as the chunk holds
             group, L, start = s.prefill_group(budget, r.padded_len, r.group_read)
-            if group:
-                self._prefill_group(group, L, start)
-                budget -= len(group) * L
+            if not group:
+                break
+            self._prefill_group(group, L, start)  # (they leave ``prefilling``, prefilled or failed)
+            budget -= len(group) * L
         for seq in list(s.prefilling):
             if budget <= 0:
                 break
