@@ -411,8 +411,9 @@ def test_interrupted_pack_leaves_no_model_and_the_next_pack_cleans_up(tmp_path, 
     leftovers = [d for d in out.iterdir() if d.name.startswith(".p.partial-")]
     if sig == signal.SIGINT:
         assert list(out.iterdir()) == []  # cleaned up on KeyboardInterrupt, lock file too
-    else:  # SIGKILL cannot be caught: its directory, named with its pid, and the lock file stay
-        assert [d.name.split("-")[1] for d in leftovers] == [str(proc.pid)]
+    else:  # SIGKILL cannot be caught: its directory, named with its pid and host, and the lock file stay
+        from weights.publish import HOST
+        assert [d.name.split("-")[1] for d in leftovers] == [f"{proc.pid}.{HOST}"]
         assert sorted(p.name for p in out.iterdir()) == sorted([leftovers[0].name, ".p.lock"])
         _assert_not_a_model(leftovers[0])
     _pack_again_cleans_up(src, out, caplog, leftovers)
@@ -458,8 +459,12 @@ def test_two_packs_into_one_dest_run_one_after_the_other(tiny_hf, tmp_path):
 
 
 def test_leftovers_of_running_packs_and_of_other_dests_are_kept(tiny_hf, tmp_path, caplog):
-    """What a pack into DEST removes: leftovers of packs into DEST whose process is gone, and
-    those named without a pid (by an older coldstart); nothing of a live process, nothing else."""
+    """What a pack into DEST removes: leftovers of packs into DEST on this host whose process is
+    gone, and those named without a pid (by an older coldstart); nothing of a live process, nothing
+    another host's pack left (its pid means nothing here), nothing else."""
+    from weights.publish import HOST
+
+    other = "deadbeef" if HOST != "deadbeef" else "0badcafe"
     out = tmp_path / "out"
     out.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
@@ -467,9 +472,10 @@ def test_leftovers_of_running_packs_and_of_other_dests_are_kept(tiny_hf, tmp_pat
     alive = subprocess.Popen(["sleep", "600"])
     try:
         gone = [f".p.partial-{dead}-abcd_123", ".p.partial-x7k2q9zz", f".p.old-{dead}",
-                f".p.old-{dead}-0123abcd"]
+                f".p.old-{dead}-0123abcd", f".p.partial-{dead}.{HOST}-abcd_123", f".p.old-{dead}.{HOST}-0123abcd"]
         kept = [f".p.partial-{alive.pid}-abcd_123", f".q.partial-{dead}-abcd_123", "p.partial-notes",
-                f".p.partial-{dead}-abcd_123.bak"]
+                f".p.partial-{dead}-abcd_123.bak", f".p.partial-{alive.pid}.{HOST}-abcd_123",
+                f".p.partial-{dead}.{other}-abcd_123", f".p.old-{dead}.{other}-0123abcd"]
         for name in gone + kept:
             (out / name).mkdir()
             (out / name / "model.cst.partial").write_bytes(os.urandom(1 << 20))
@@ -482,16 +488,21 @@ def test_leftovers_of_running_packs_and_of_other_dests_are_kept(tiny_hf, tmp_pat
                                     f"{out / 'p'} (1.0 MiB)") for m in lines), (name, lines)
         assert any(m.startswith(f"kept {out / kept[0]}: the pack that left it (pid {alive.pid})")
                    for m in lines)
+        assert any(m.startswith(f"kept {out / kept[5]}: left by a pack on another host (pid {dead} there)")
+                   for m in lines)
     finally:
         alive.kill()
         alive.wait()
 
 
-def test_a_complete_pack_left_under_its_temporary_name_is_refused(tiny_packed, tmp_path):
-    """Killed between the weights' rename and the directory's: complete, yet not published."""
+@pytest.mark.parametrize("name", [".m.partial-4242.0123abcd-abcd_123", ".m.partial-4242-abcd_123",
+                                  ".m.partial-abcd_123"])
+def test_a_complete_pack_left_under_its_temporary_name_is_refused(tiny_packed, tmp_path, name):
+    """Killed between the weights' rename and the directory's: complete, yet not published (the
+    names of this coldstart and of older ones)."""
     import shutil
 
-    left = tmp_path / ".m.partial-4242-abcd_123"
+    left = tmp_path / name
     shutil.copytree(tiny_packed, left)
     with pytest.raises(PackedFormatError, match=rf"leftover of an interrupted `coldstart pack` into "
                                                 rf"{tmp_path / 'm'}, not a packed model"):

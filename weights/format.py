@@ -357,8 +357,9 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     return PackedFile(p, size, data_off, data_bytes, index, index_sha.hex())
 
 
-# a pack's temporary directory (weights.packer): ".NAME.partial-PID-XXXXXXXX"; no PID from older packs
-_PARTIAL_DIR = re.compile(r"\.(.+)\.partial-(?:\d+-)?[a-z0-9_]{8}")
+# a pack's temporary directory (weights.publish): ".NAME.partial-PID.HOST-XXXXXXXX"; older packs'
+# have no HOST, or no PID
+_PARTIAL_DIR = re.compile(r"\.(.+)\.partial-(?:\d+(?:\.[0-9a-f]{8})?-)?[a-z0-9_]{8}")
 
 
 def refuse_leftover(d: Path) -> None:

@@ -157,7 +157,7 @@ def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: T
     with publish.locked(dest) as locked:
         publish.check_replace(dest, opts.force)  # again: another pack may have published it meanwhile
         publish.remove_leftovers(dest, src, locked)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{os.getpid()}-", dir=dest.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{publish.owner()}-", dir=dest.parent))
         try:
             meta = {"source": source or src.name, "cast": opts.dtype}
             _write_pack(tmp, src, tensors, by_name, data_bytes, aliases, opts, lay, meta)

@@ -1,7 +1,8 @@
 """How a pack appears at DEST: the lock, the leftovers of earlier packs, and the last rename.
 
 Publishing. Everything is written in a temporary directory beside DEST,
-``.NAME.partial-PID-XXXXXXXX`` (PID: the packing process), in this order: the
+``.NAME.partial-PID.HOST-XXXXXXXX`` (PID: the packing process; HOST: 8 hex digits of a digest
+of its host's name), in this order: the
 side files, each fsynced; the weights as ``model.cst.partial`` (data, index, and
 last the preamble, so until then it has no valid magic), fsynced; then
 ``model.cst.partial`` is renamed ``model.cst``, the directory is fsynced and
@@ -9,7 +10,7 @@ renamed to DEST. An existing DEST (only under --force, and only a packed model
 or an empty directory) is swapped with it in one step where the kernel and filesystem
 can (``renameat2`` with ``RENAME_EXCHANGE``: DEST is never missing, not even for an
 instant), then removed from under the temporary name, which every reader refuses; elsewhere
-it is first renamed aside as ``.NAME.old-PID-XXXXXXXX`` and removed after. So only a finished pack's directory holds a ``model.cst``: a pack
+it is first renamed aside as ``.NAME.old-PID.HOST-XXXXXXXX`` and removed after. So only a finished pack's directory holds a ``model.cst``: a pack
 interrupted at any point leaves no DEST and no ``model.cst`` anywhere, and
 ``read_packed`` also refuses a ``.NAME.partial-*`` directory by name, saying it
 is such a leftover. (Marking completion by the last rename, rather than by a
@@ -24,7 +25,9 @@ into DEST is running: it removes the ``.NAME.partial-*`` and ``.NAME.old-*``
 leftovers of earlier packs into DEST, logging each with its size. It keeps one
 whose PID is a process still running, which is also what protects a running
 pack where the filesystem has no locks; leftovers named without a PID (by an
-older coldstart) are removed only under the lock.
+older coldstart) are removed only under the lock. One left by a pack on another host (a
+directory several hosts share) is kept, whatever the lock says: its PID means nothing here,
+and a filesystem's locks need not reach across hosts; the log names it, to be removed there.
 """
 
 from __future__ import annotations
@@ -33,17 +36,21 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import re
 import secrets
 import shutil
+import socket
 from pathlib import Path
 
 from .format import MAGIC, TP_MANIFEST, WEIGHTS_FILE, rank_dir
 from .sources import is_within
 
 log = logging.getLogger(__name__)
+# this host, in the names of its packs' temporary directories (owner())
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def check_replace(dest: Path, force: bool) -> None:
@@ -94,7 +101,7 @@ def swap_in(tmp: Path, dest: Path) -> None:
         if exchange(tmp, dest):  # DEST is the new one; tmp's name holds the old one
             old = tmp
         else:
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            old = dest.with_name(f".{dest.name}.old-{owner()}-{secrets.token_hex(4)}")
             os.rename(dest, old)
     if old is not tmp:
         os.rename(tmp, dest)
@@ -165,11 +172,16 @@ def _lock(path: Path, dest: Path) -> int | None:
         os.close(fd)  # the holder removed that file as it let go: lock the path's new one
 
 
+def owner() -> str:
+    """``PID.HOST`` of this process, in the names of its temporary and set-aside directories."""
+    return f"{os.getpid()}.{HOST}"
+
+
 def _leftover_re(dest: Path) -> re.Pattern:
-    """Names of the temporary and set-aside directories of packs into DEST; group 1 or 2: the
-    packing process's pid (none in a temporary directory named by an older coldstart)."""
-    n = re.escape(dest.name)
-    return re.compile(rf"\.{n}\.(?:partial-(?:(\d+)-)?[a-z0-9_]{{8}}|old-(\d+)(?:-[0-9a-f]{{8}})?)")
+    """Names of the temporary and set-aside directories of packs into DEST; groups ``pid`` and
+    ``host``: the packing process's (none in names by older coldstarts: no host, or no pid)."""
+    n, who = re.escape(dest.name), r"(?P<pid{0}>\d+)(?:\.(?P<host{0}>[0-9a-f]{{8}}))?"
+    return re.compile(rf"\.{n}\.(?:partial-(?:{who.format(1)}-)?[a-z0-9_]{{8}}|old-{who.format(2)}(?:-[0-9a-f]{{8}})?)")
 
 
 def remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
@@ -180,8 +192,12 @@ def remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
         m = pattern.fullmatch(p.name)
         if not m or is_within(rs, p.resolve()):
             continue
-        digits = m.group(1) or m.group(2)
+        digits, host = m["pid1"] or m["pid2"], m["host1"] or m["host2"]
         pid = int(digits) if digits else None
+        if host is not None and host != HOST:
+            log.warning("kept %s: left by a pack on another host (pid %s there), which may still be running; "
+                        "remove it by hand once that pack has ended", p, pid)
+            continue
         if not _ended(pid, locked):
             log.info("kept %s: the pack that left it (pid %s) may still be running", p, pid)
             continue
@@ -195,8 +211,8 @@ def remove_leftovers(dest: Path, src: Path, locked: bool) -> None:
 
 
 def _ended(pid: int | None, locked: bool) -> bool:
-    """Whether the pack that left a leftover has ended: its process is gone. Under the lock, one
-    with no pid or with ours is no running pack's (each running pack holds the lock)."""
+    """Whether the pack on this host that left a leftover has ended: its process is gone. Under
+    the lock, one with no pid or with ours is no running pack's (each running pack holds the lock)."""
     if pid is None or pid == os.getpid():
         return locked
     try:
