@@ -75,7 +75,8 @@ async def burst(url: str, texts: list[str], new_tokens: int) -> dict:
     outside = [t - float(r.headers["x-coldstart-engine-s"]) for r, t in ok if "x-coldstart-engine-s" in r.headers]
     usage = [r.json()["usage"] for r, _ in ok]
     return {"wall_s": wall, "tokens": sum(u["completion_tokens"] for u in usage), "failed": c - len(ok),
-            "prompt_tokens": sorted({u["prompt_tokens"] for u in usage}), "request_s_median": statistics.median(t for _, t in ok) if ok else None,
+            "prompt_tokens": sorted({u["prompt_tokens"] for u in usage}),
+            "request_s_median": statistics.median(t for _, t in ok) if ok else None,
             "outside_engine_s_median": statistics.median(outside) if outside else None}
 
 

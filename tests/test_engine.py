@@ -596,15 +596,18 @@ def test_prefill_batch_equals_one_prompt_at_a_time(arch, kw):
             torch.testing.assert_close(together.v[layer][s, :, : len(p)], alone.v[layer][s, :, : len(p)])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
 @pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 6}),
                                       ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1})])
-def test_prefill_batch_after_each_rows_prefix_equals_one_prompt_at_a_time(arch, kw, paged):
+def test_prefill_batch_after_each_rows_prefix_equals_one_prompt_at_a_time(arch, kw, paged, device):
     """The rests of prompts whose first ``start`` positions are in the cache (each slot its own
     prefix here) in one forward at ``start``: each row's logits and cache entries are those of
     its prompt's prefill alone, over a static cache and over a paged one."""
     hf, config = hf_model(arch, **kw)
-    model = build_model(config, state_tensors(hf))
+    model = build_model(config, {k: v.to(device) for k, v in state_tensors(hf).items()})
+    tol = {"rtol": 1e-4, "atol": 1e-4} if device == "cpu" else {"rtol": 1e-3, "atol": 1e-3}
     start, lens, slots = 16, [16, 9, 3, 12], [2, 0, 3, 1]
     g = torch.Generator().manual_seed(4)
     prefixes = [torch.randint(1, 90, (start,), generator=g).tolist() for _ in lens]
@@ -621,21 +624,23 @@ def test_prefill_batch_after_each_rows_prefix_equals_one_prompt_at_a_time(arch, 
     with torch.inference_mode():
         for cache in (alone, together):
             for pre, s in zip(prefixes, slots):
-                model.prefill(torch.tensor([pre]), cache, s, 0)
-        want = torch.stack([model.prefill(torch.tensor([r]), alone, s, start) for r, s in zip(rests, slots)])
-        tokens = torch.tensor([r + [0] * (16 - len(r)) for r in rests])
+                model.prefill(torch.tensor([pre], device=device), cache, s, 0)
+        want = torch.stack([model.prefill(torch.tensor([r], device=device), alone, s, start)
+                            for r, s in zip(rests, slots)])
+        tokens = torch.tensor([r + [0] * (16 - len(r)) for r in rests], device=device)
         got = model.prefill_batch(tokens, together, slots, lens, logit_rows=8, start=start)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, **tol)
         for r, s in zip(rests, slots):
             end = start + len(r)
             for layer in range(len(alone.k)):
                 if paged:
-                    (ka, va), (kt, vt) = (c.read(layer, torch.tensor([s]), end) for c in (alone, together))
+                    row = torch.tensor([s], device=device)
+                    (ka, va), (kt, vt) = (c.read(layer, row, end) for c in (alone, together))
                 else:
                     ka, va = alone.k[layer][s, :, :end], alone.v[layer][s, :, :end]
                     kt, vt = together.k[layer][s, :, :end], together.v[layer][s, :, :end]
-                torch.testing.assert_close(kt, ka)
-                torch.testing.assert_close(vt, va)
+                torch.testing.assert_close(kt, ka, **tol)
+                torch.testing.assert_close(vt, va, **tol)
 
 
 def test_prefill_batch_rejects_bad_rows():

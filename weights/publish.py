@@ -10,8 +10,8 @@ renamed to DEST. An existing DEST (only under --force, and only a packed model
 or an empty directory) is swapped with it in one step where the kernel and filesystem
 can (``renameat2`` with ``RENAME_EXCHANGE``: DEST is never missing, not even for an
 instant), then removed from under the temporary name, which every reader refuses; elsewhere
-it is first renamed aside as ``.NAME.old-PID.HOST-XXXXXXXX`` and removed after. So only a finished pack's directory holds a ``model.cst``: a pack
-interrupted at any point leaves no DEST and no ``model.cst`` anywhere, and
+it is first renamed aside as ``.NAME.old-PID.HOST-XXXXXXXX`` and removed after. So only a
+finished pack's directory holds a ``model.cst``: a pack interrupted at any point leaves no DEST and no ``model.cst`` anywhere, and
 ``read_packed`` also refuses a ``.NAME.partial-*`` directory by name, saying it
 is such a leftover. (Marking completion by the last rename, rather than by a
 flag inside the file, keeps every reader, old ones included, from taking a
