@@ -1,21 +1,20 @@
 """How a pack appears at DEST: the lock, the leftovers of earlier packs, and the last rename.
 
-Publishing. Everything is written in a temporary directory beside DEST,
-``.NAME.partial-PID.HOST-XXXXXXXX`` (PID: the packing process; HOST: 8 hex digits of a digest
-of its host's name), in this order: the
-side files, each fsynced; the weights as ``model.cst.partial`` (data, index, and
-last the preamble, so until then it has no valid magic), fsynced; then
-``model.cst.partial`` is renamed ``model.cst``, the directory is fsynced and
-renamed to DEST. An existing DEST (only under --force, and only a packed model
-or an empty directory) is swapped with it in one step where the kernel and filesystem
-can (``renameat2`` with ``RENAME_EXCHANGE``: DEST is never missing, not even for an
-instant), then removed from under the temporary name, which every reader refuses; elsewhere
-it is first renamed aside as ``.NAME.old-PID.HOST-XXXXXXXX`` and removed after. So only a
-finished pack's directory holds a ``model.cst``: a pack interrupted at any point leaves no DEST and no ``model.cst`` anywhere, and
-``read_packed`` also refuses a ``.NAME.partial-*`` directory by name, saying it
-is such a leftover. (Marking completion by the last rename, rather than by a
-flag inside the file, keeps every reader, old ones included, from taking a
-partial file for a model, and needs nothing but rename's atomicity.)
+Publishing. Everything is written in a temporary directory beside DEST, ``.NAME.partial-
+PID.HOST-XXXXXXXX`` (PID: the packing process; HOST: 8 hex digits of a digest of its host's
+name), in this order: the side files, each fsynced; the weights as ``model.cst.partial``
+(data, index, and last the preamble, so until then it has no valid magic), fsynced; then
+``model.cst.partial`` is renamed ``model.cst``, the directory is fsynced and renamed to
+DEST. An existing DEST (only under --force, and only a packed model or an empty directory)
+is swapped with it in one step where the kernel and filesystem can (``renameat2`` with
+``RENAME_EXCHANGE``: DEST is never missing, not even for an instant), then removed from
+under the temporary name, which every reader refuses; elsewhere it is first renamed aside as
+``.NAME.old-PID.HOST-XXXXXXXX`` and removed after. So only a finished pack's directory holds
+a ``model.cst``: a pack interrupted at any point leaves no DEST and no ``model.cst``
+anywhere, and ``read_packed`` also refuses a ``.NAME.partial-*`` directory by name, saying
+it is such a leftover. (Marking completion by the last rename, rather than by a flag inside
+the file, keeps every reader, old ones included, from taking a partial file for a model, and
+needs nothing but rename's atomicity.)
 
 Leftovers. A pack that is killed (SIGKILL, a crash, a power cut) cannot remove
 its temporary directory, a full-size copy of the model. While it runs, a pack
