@@ -1,8 +1,8 @@
 """How a pack appears at DEST: the lock, the leftovers of earlier packs, and the last rename.
 
-Publishing. Everything is written in a temporary directory beside DEST, ``.NAME.partial-
-PID.HOST-XXXXXXXX`` (PID: the packing process; HOST: 8 hex digits of a digest of its host's
-name), in this order: the side files, each fsynced; the weights as ``model.cst.partial``
+Publishing. Everything is written in a temporary directory beside DEST,
+``.NAME.partial-PID.HOST-XXXXXXXX`` (PID: the packing process; HOST: 8 hex digits of a digest
+of its host's name), in this order: the side files, each fsynced; the weights as ``model.cst.partial``
 (data, index, and last the preamble, so until then it has no valid magic), fsynced; then
 ``model.cst.partial`` is renamed ``model.cst``, the directory is fsynced and renamed to
 DEST. An existing DEST (only under --force, and only a packed model or an empty directory)
