@@ -490,3 +490,26 @@ def test_interp_engine_path_gives_transformers_greedy_tokens(interp, monkeypatch
             assert h.result(timeout=120)[0] == hf_greedy(hf, p, 10)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("heads, block_size, blocks_per_seq", [((4, 2), 16, 32), ((4, 4), 32, 5)])
+def test_interp_paged_self_test_cases_pass_and_catch_a_wrong_kernel(interp, heads, block_size, blocks_per_seq):
+    """The paged self-test's cases (kernels.policy.paged_cases), run with the interpreted kernels:
+    they agree with the references, and a kernel that reads the wrong block is caught."""
+    from deployments.kernels import policy
+
+    H, Hkv = heads
+
+    def attention(*a):
+        return interp._launch_decode_attention(*a[:7], block_table=a[7])
+
+    def misread(*a):  # the table's rows swapped: each row reads the other's blocks
+        return interp._launch_decode_attention(*a[:7], block_table=a[7].flip(0).contiguous())
+
+    def cases(att):
+        return policy.paged_cases(H, Hkv, 32, block_size, blocks_per_seq, torch.float32, "cpu",
+                                  lambda key, fn, *a: fn(*a), rope=interp._launch_rope_store_kv, attention=att)
+    assert policy._compare(lambda: cases(attention)("rope_store_kv"), torch.float32) is None
+    assert policy._compare(lambda: cases(attention)("decode_attention"), torch.float32) is None
+    why = policy._compare(lambda: cases(misread)("decode_attention"), torch.float32)
+    assert why is not None and why.startswith("decode_attention (paged, window 0) differs from the torch reference")

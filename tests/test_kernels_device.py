@@ -411,6 +411,57 @@ def test_gpu_paged_kernels_in_cuda_graph(monkeypatch, bs):
 
 def test_attention_self_test_says_why():
     assert "not available" in policy.attention_self_test(4, 2, 16, torch.float32, "cpu")
+    assert all("not available" in why for why in policy.paged_self_test(4, 2, 16, 16, 8, torch.float32, "cpu"))
+
+
+@pytest.mark.parametrize("result, want", [(("rope_store_kv (paged) differs", None), (False, False)),
+                                          ((None, "decode_attention (paged, window 0) differs"), (True, False)),
+                                          ((None, None), (True, True))])
+def test_a_failed_paged_self_test_turns_off_what_it_needs(monkeypatch, caplog, result, want):
+    """The paged variants' verdicts decide the plan of a paged engine's model: a failed rope + KV
+    write leaves torch's kernels, a failed attention the batched matmuls; each said in the log."""
+    monkeypatch.setattr(policy, "paged_self_test", lambda *a, **k: result)
+    plan = policy.KernelPlan(fused=True, attention=True, gemv=frozenset({(8, 8)}), seconds={"kernel_test": 1.0})
+    with caplog.at_level("WARNING", logger="deployments.kernels.policy"):
+        got = policy.paged_check((4, 2, 16), 16, 8, torch.float16, torch.device("cuda"), plan)
+    assert (got.fused, got.attention) == want
+    assert got.gemv == (plan.gemv if got.fused else frozenset())
+    assert "kernel_test" in got.seconds and "paged_kernel_test" in got.seconds
+    for why in result:
+        assert why is None or why in caplog.text
+    assert policy.paged_check((4, 2, 16), 16, 8, torch.float16, torch.device("cpu"), policy.KernelPlan()) \
+        == policy.KernelPlan()  # no fused kernels: nothing to test
+
+
+@gpu
+def test_gpu_paged_self_tests_pass_and_are_kept(monkeypatch, tmp_path):
+    _use_triton(monkeypatch)
+    for first in (True, False):
+        times: dict[str, float] = {}
+        assert policy.paged_self_test(32, 32, 128, 16, 256, torch.float16, "cuda", times, keep=tmp_path) == (None, None)
+        assert ("triton" in times) == first, times
+    assert len(list(tmp_path.glob("coldstart-selftest-*.json"))) == 2
+    times = {}
+    assert policy.paged_self_test(32, 8, 128, 32, 6, torch.bfloat16, "cuda", times, keep=tmp_path) == (None, None)
+    assert "triton" in times  # another geometry: another verdict
+
+
+@gpu
+def test_gpu_paged_engine_keeps_its_kernels(monkeypatch, tmp_path):
+    """A paged engine's model passes the paged test at its cache's geometry and decodes through
+    the Triton attention (one key-length bound: each row reads up to its own position)."""
+    _use_triton(monkeypatch)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from deployments.engine import Engine, EngineConfig
+    from deployments.model import build_model
+    from helpers_engine import hf_model, state_tensors
+
+    hf, cfg = hf_model("llama")
+    model = build_model(cfg, {k: v.to("cuda", torch.float16) for k, v in state_tensors(hf).items()})
+    assert model.kernels.fused and model.kernels.attention
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=96, kv_cache="paged", kv_blocks=40))
+    assert model.kernels.attention and eng.runner.kv_lens == eng.config.kv_len_buckets[-1:]
+    assert eng.runner.stats["paged_kernel_test_s"] > 0
 
 
 def test_triton_setup_fills_tritons_per_process_caches():

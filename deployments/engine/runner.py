@@ -58,6 +58,9 @@ class ModelRunner:
             log.warning("engine.kv_cache paged: %s has no paged cache; a static one instead", type(model).__name__)
             paged = False
         self.cache = self._paged_cache() if paged else self._static_cache()
+        # its kernels' paged variants, tested before any graph or key-length bound depends on them
+        check = getattr(model, "check_paged_kernels", None) if paged else None
+        paged_test_s = check(self.cache) if check is not None else 0.0
         # decode inputs: rows = token, position, valid; one host->device copy per step
         self._inp = torch.zeros(3, cfg.max_slots, dtype=torch.int64, device=self.device)
         self._stage = torch.zeros(3, cfg.max_slots, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -83,7 +86,7 @@ class ModelRunner:
         # longest prompts' worth (a single prompt's chunk gathers up to one)
         self.group_read = 4 * cfg.max_seq_len
         self.stats: dict[str, Any] = {"capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
-                                      "late_captures": {}}
+                                      "late_captures": {}, **({"paged_kernel_test_s": paged_test_s} if paged else {})}
 
     def _static_cache(self) -> Any:
         cfg, model = self.cfg, self.model

@@ -91,6 +91,85 @@ def choose(dims: tuple[int, int, int, int, int], dtype: torch.dtype, device: tor
     return plan
 
 
+def paged_check(dims: tuple[int, int, int], block_size: int, blocks_per_seq: int, dtype: torch.dtype,
+                device: torch.device, plan: KernelPlan) -> KernelPlan:
+    """``plan`` as a paged KV cache of ``block_size`` positions per block and ``blocks_per_seq``
+    blocks per sequence can use it: its kernels' paged variants (rope + KV write, attention)
+    tested once per node (``paged_self_test``); where one fails, what it needs is off, with a
+    log line saying why (the static cache's kernels are unaffected)."""
+    if not plan.fused:
+        return plan
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    fused_why, attention_why = paged_self_test(*dims, block_size, blocks_per_seq, dtype, device, times,
+                                               keep=verdict_dir(), attention=plan.attention)
+    seconds = {**plan.seconds, "paged_kernel_test": time.perf_counter() - t}
+    if fused_why:
+        log.warning("fused Triton kernels off for the paged KV cache (%s): decoding with torch kernels", fused_why)
+        return KernelPlan(seconds=seconds)
+    if attention_why:
+        log.warning("Triton decode attention off for the paged KV cache (%s): using batched matmuls", attention_why)
+    return KernelPlan(True, plan.attention and attention_why is None, plan.gemv, seconds)
+
+
+def paged_self_test(n_heads: int, n_kv: int, head_dim: int, block_size: int, blocks_per_seq: int,
+                    dtype: torch.dtype, device: torch.device | str, times: dict[str, float] | None = None,
+                    keep: Path | None = None, attention: bool = True) -> tuple[str | None, str | None]:
+    """As `self_test`, for the paged variants of `rope_store_kv` and (``attention``) of
+    `decode_attention`, at a model's head sizes and a cache's geometry (the block size is a
+    compile-time constant of both): (why the first is not usable, why the second is not), each
+    None when usable."""
+    if not ops.available(device):
+        why = "Triton or a CUDA device is not available (or COLDSTART_TRITON=0)"
+        return why, why
+    timed = _timing(times, device)
+    cases = paged_cases(n_heads, n_kv, head_dim, block_size, blocks_per_seq, dtype, device, timed)
+    judged = ["paged", n_heads, n_kv, head_dim, block_size, blocks_per_seq % 16 == 0, str(dtype)]
+    fused = kept_test(_selftest_path([*judged, "rope_store_kv"], device, keep),
+                      lambda: _compare(lambda: cases("rope_store_kv"), dtype))
+    if fused or not attention:
+        return fused, None
+    return None, kept_test(_selftest_path([*judged, "decode_attention"], device, keep),
+                           lambda: _compare(lambda: cases("decode_attention"), dtype))
+
+
+def paged_cases(n_heads: int, n_kv: int, head_dim: int, block_size: int, blocks_per_seq: int, dtype: torch.dtype,
+                device: torch.device | str, timed: Callable[..., Any], rope: Callable[..., Any] | None = None,
+                attention: Callable[..., Any] | None = None
+                ) -> Callable[[str], Iterator[tuple[str, torch.Tensor, torch.Tensor]]]:
+    """The paged self-test's cases, per kernel: two rows over a block table of ``blocks_per_seq``
+    columns (its row stride, like the cache's block size, selects what is compiled), their blocks
+    out of order, the rest of each row on the null block 0; ``rope``, ``attention``: the kernels
+    under test (``ops``' by default; the Triton interpreter's tests pass the launchers)."""
+    rope, attention = rope or ops.rope_store_kv, attention or ops.decode_attention
+    rnd = _rand(dtype, device)
+    per_row = min(blocks_per_seq, -(-320 // block_size))  # up to position 319
+    table = torch.zeros(2, blocks_per_seq, dtype=torch.int32, device=device)
+    order = torch.randperm(2 * per_row, generator=torch.Generator().manual_seed(0)) + 1
+    table[:, :per_row] = order.view(2, per_row).to(device=device, dtype=torch.int32)
+    shape = (2 * per_row + 1, n_kv, block_size, head_dim)
+    last = per_row * block_size - 1
+    pos = torch.tensor([min(300, last), min(77, last)], device=device)
+
+    def run(kernel: str) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        if kernel == "rope_store_kv":
+            qkv, cos, sin = rnd(2, (n_heads + 2 * n_kv) * head_dim), rnd(2, head_dim), rnd(2, head_dim)
+            caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(4)]
+            yield ("rope_store_kv (paged)",
+                   timed("triton", rope, qkv, cos, sin, caches[0], caches[1], pos, n_heads, n_kv, head_dim, table),
+                   timed("torch", ops._ref_rope_store_kv, qkv, cos, sin, caches[2], caches[3], pos, n_heads, n_kv,
+                         head_dim, table))
+            yield "kv_cache (paged)", torch.cat(caches[:2]), torch.cat(caches[2:])
+            return
+        q, kc, vc = rnd(2, n_heads, head_dim), rnd(*shape), rnd(*shape)
+        kv_len = per_row * block_size
+        for window in (0, 64):
+            yield (f"decode_attention (paged, window {window})",
+                   timed("triton", attention, q, kc, vc, pos, kv_len, window, head_dim**-0.5, table),
+                   timed("torch", ops._ref_decode_attention, q, kc, vc, pos, kv_len, window, head_dim**-0.5, table))
+    return run
+
+
 # ----------------------------------------------------------------------------- timing on the device
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deployments.kernels import ops
+from deployments.kernels import policy
 from deployments.kernels.policy import KernelPlan
 from deployments.model.attention import Attention, AttnContext, attention_backends, linear
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
@@ -173,6 +174,14 @@ class Transformer(nn.Module):
 
     def cache_block_bytes(self, block_size: int) -> int:
         return PagedKVCache.bytes_per_block(self.config, block_size, self.dtype)
+
+    def check_paged_kernels(self, cache: PagedKVCache) -> float:
+        """Keep the decode kernels whose paged variants pass their test at ``cache``'s geometry
+        (``kernels.policy.paged_check``: once per node); its seconds."""
+        c = self.config
+        self.kernels = policy.paged_check((c.num_attention_heads, c.num_key_value_heads, c.head_dim), cache.block_size,
+                                          cache.blocks_per_seq, self.dtype, self.device, self.kernels)
+        return self.kernels.seconds.get("paged_kernel_test", 0.0)
 
     def _masks(self, q_pos: torch.Tensor, L: int, valid: torch.Tensor | None = None) -> dict:
         # q_pos: [B, S] absolute positions; returns window -> [B, 1, S, L] (True = attend)
