@@ -107,3 +107,24 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [2, 4], [9] * 13, [1, 50, 60, 70, 80], [42]]
+
+
+def make_engine(arch: str = "llama", tokenizer: Any = None, start: bool = True, hf_kw: dict | None = None,
+                device: str = "cpu", **cfg: Any) -> tuple[Any, torch.nn.Module]:
+    """An engine over a tiny random model of ``arch`` (and that transformers model), started unless
+    ``start`` is False; ``cfg``: EngineConfig fields over the tests' small defaults."""
+    from deployments.engine import Engine, EngineConfig
+    from deployments.model import build_model
+
+    hf, config = hf_model(arch, **(hf_kw or {}))
+    model = build_model(config, {k: v.to(device) for k, v in state_tensors(hf).items()})
+    # prefill_min_len 16: the tests' short chunks keep a few padded lengths (the default 128 is for 7B-sized chunks)
+    eng = Engine(model, tokenizer, EngineConfig(**{"max_slots": 4, "max_seq_len": 64, "prefill_chunk": 4,
+                                                   "prefill_min_len": 16, **cfg}))
+    if start:
+        eng.start()
+    return eng, hf
