@@ -142,16 +142,17 @@ def paged_cases(n_heads: int, n_kv: int, head_dim: int, block_size: int, blocks_
     out of order, the rest of each row on the null block 0; ``rope``, ``attention``: the kernels
     under test (``ops``' by default; the Triton interpreter's tests pass the launchers)."""
     rope, attention = rope or ops.rope_store_kv, attention or ops.decode_attention
-    rnd = _rand(dtype, device)
-    per_row = min(blocks_per_seq, -(-320 // block_size))  # up to position 319
-    table = torch.zeros(2, blocks_per_seq, dtype=torch.int32, device=device)
-    order = torch.randperm(2 * per_row, generator=torch.Generator().manual_seed(0)) + 1
-    table[:, :per_row] = order.view(2, per_row).to(device=device, dtype=torch.int32)
-    shape = (2 * per_row + 1, n_kv, block_size, head_dim)
-    last = per_row * block_size - 1
-    pos = torch.tensor([min(300, last), min(77, last)], device=device)
 
     def run(kernel: str) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        # (made here, inside `_compare`: a failure to make them is a failed test, not a failed start)
+        rnd = _rand(dtype, device)
+        per_row = min(blocks_per_seq, -(-320 // block_size))  # up to position 319
+        table = torch.zeros(2, blocks_per_seq, dtype=torch.int32, device=device)
+        order = torch.randperm(2 * per_row, generator=torch.Generator().manual_seed(0)) + 1
+        table[:, :per_row] = order.view(2, per_row).to(device=device, dtype=torch.int32)
+        shape = (2 * per_row + 1, n_kv, block_size, head_dim)
+        last = per_row * block_size - 1
+        pos = torch.tensor([min(300, last), min(77, last)], device=device)
         if kernel == "rope_store_kv":
             qkv, cos, sin = rnd(2, (n_heads + 2 * n_kv) * head_dim), rnd(2, head_dim), rnd(2, head_dim)
             caches = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(4)]
