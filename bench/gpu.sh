@@ -100,7 +100,7 @@ for stage in "$@"; do
                --out "$out/engine-static-128.json" 2>&1 | grep -E "^tokens_per_s_b[0-9]+ " | sed 's/^/static128 /'
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
                --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
-               | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|capture_warmup_s) " | sed 's/^/paged128  /'
+               | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|work_b(64|128)|capture_warmup_s) " | sed 's/^/paged128  /'
              # the same with 2048-token prefill chunks (16 fresh prompts a forward) and a 2 GiB reserve
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
                --prefill-chunk 2048 --reserve-gib 2 --concurrency 1,64,128 --out "$out/engine-paged-128-chunk2048.json" \
@@ -118,8 +118,11 @@ for stage in "$@"; do
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 256 --kv-cache paged \
                --prompt-lens 32,3000 --concurrency 256 --out "$out/engine-paged-mixed.json" 2>&1 \
                | grep -E "^tokens_per_s_b256 |preemptions" | sed 's/^/mixed256  /'
+             # (each burst's line: the engine's steps, shared prefills and busy time in it, and the
+             # requests' time outside the engine, beside the engine run's work_b64/128 above)
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
-               --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 | tail -4 ;;
+               --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 \
+               | grep -E "concurrent:|tokens_per_s_c" ;;
     profile) # where a step's time goes at 128 concurrent: the paged attention beside the static one
              # (kernels alone), then the engine's decode steps' device time against their wall time
              # and the loop thread's busiest functions, static and paged, and paged with longer
