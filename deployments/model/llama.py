@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deployments.kernels import ops
-from deployments.kernels import policy
+from deployments.kernels import ops, policy
 from deployments.kernels.policy import KernelPlan
 from deployments.model.attention import Attention, AttnContext, attention_backends, linear
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
