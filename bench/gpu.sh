@@ -119,8 +119,9 @@ for stage in "$@"; do
                --prompt-lens 32,3000 --concurrency 256 --out "$out/engine-paged-mixed.json" 2>&1 \
                | grep -E "^tokens_per_s_b256 |preemptions" | sed 's/^/mixed256  /'
              # (each burst's line: the engine's steps, shared prefills and busy time in it, and the
-             # requests' time outside the engine, beside the engine run's work_b64/128 above)
-             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
+             # requests' time outside the engine, beside the engine run's work_b64/128 above; then
+             # the same bursts streamed)
+             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 --stream \
                --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 \
                | grep -E "concurrent:|tokens_per_s_c" ;;
     profile) # where a step's time goes at 128 concurrent: the paged attention beside the static one

@@ -14,7 +14,9 @@ tokens / wall seconds, the figure `bench/engine.py --concurrency` gives for the 
 --rounds times; the median counts. Beside each burst: the engine's steps, shared prefills and
 busy time in it (from `/stats`, as `bench/engine.py` records them), and the median request's
 time outside the engine (its wait at the client less the `x-coldstart-engine-s` header), which
-tell an HTTP path's cost apart from an engine that worked differently under it.
+tell an HTTP path's cost apart from an engine that worked differently under it. --stream: each
+concurrency's rounds again with every answer streamed (`"stream": true`, a line per chunk, read as
+it comes), against the same replica.
 """
 
 from __future__ import annotations
@@ -54,29 +56,45 @@ def prompt_texts(packed: Path, n: int, count: int) -> list[str]:
 _SENT = itertools.count()  # every request's number, over all bursts
 
 
-async def burst(url: str, texts: list[str], new_tokens: int) -> dict:
+async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = False) -> dict:
     """``c`` concurrent requests: wall seconds, completion tokens, failures, and where a request's
     time went (the median of its wait at the client less its time in the engine, the
-    ``x-coldstart-engine-s`` header: the HTTP path's share)."""
+    ``x-coldstart-engine-s`` header: the HTTP path's share). ``stream``: each answer streamed,
+    a line per chunk, read as it comes (its tokens counted from the lines; no header then)."""
     import httpx
     c = len(texts)
-    bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True} for t in texts]
+    bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+               **({"stream": True} if stream else {})} for t in texts]
     limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
 
-    async def one(client: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
+    async def one(client: httpx.AsyncClient, body: dict) -> dict | None:
         t = time.perf_counter()
-        r = await client.post(url, json=body)
-        return r, time.perf_counter() - t
+        if not stream:
+            r = await client.post(url, json=body)
+            if r.status_code != 200:
+                return None
+            engine_s = r.headers.get("x-coldstart-engine-s")
+            return {"s": time.perf_counter() - t, "tokens": r.json()["usage"]["completion_tokens"],
+                    "prompt_tokens": r.json()["usage"]["prompt_tokens"],
+                    "outside_s": time.perf_counter() - t - float(engine_s) if engine_s else None}
+        tokens, reason = 0, None
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                return None
+            async for line in r.aiter_lines():
+                if line.strip():
+                    chunk = json.loads(line)
+                    tokens, reason = tokens + len(chunk["token_ids"]), chunk["finish_reason"]
+        return None if reason in (None, "error") else {"s": time.perf_counter() - t, "tokens": tokens}
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
         rs = await asyncio.gather(*(one(client, b) for b in bodies), return_exceptions=True)
         wall = time.perf_counter() - t0
-    ok = [(r, t) for r, t in (x for x in rs if not isinstance(x, BaseException)) if r.status_code == 200]
-    outside = [t - float(r.headers["x-coldstart-engine-s"]) for r, t in ok if "x-coldstart-engine-s" in r.headers]
-    usage = [r.json()["usage"] for r, _ in ok]
-    return {"wall_s": wall, "tokens": sum(u["completion_tokens"] for u in usage), "failed": c - len(ok),
-            "prompt_tokens": sorted({u["prompt_tokens"] for u in usage}),
-            "request_s_median": statistics.median(t for _, t in ok) if ok else None,
+    ok = [r for r in rs if isinstance(r, dict)]
+    outside = [r["outside_s"] for r in ok if r.get("outside_s") is not None]
+    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in ok), "failed": c - len(ok),
+            "prompt_tokens": sorted({r["prompt_tokens"] for r in ok if "prompt_tokens" in r}),
+            "request_s_median": statistics.median(r["s"] for r in ok) if ok else None,
             "outside_engine_s_median": statistics.median(outside) if outside else None}
 
 
@@ -95,6 +113,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stream", action="store_true",
+                    help="each concurrency's rounds streamed as well (answers read line by line)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
@@ -109,36 +129,41 @@ def main() -> None:
     most = max(a.concurrency)
     dep = LLMDeployment.options(ray_actor_options={"num_gpus": a.num_gpus, "num_cpus": 1}, user_config=WARMUP,
                                 max_ongoing_requests=most + 8, max_queued_requests=most)
-    res: dict = {"engine": a.engine, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "runs": {}}
+    res: dict = {"engine": a.engine, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "runs": {},
+                 **({"runs_stream": {}} if a.stream else {})}
     try:
         serve.run(dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu", engine=a.engine),
                   name="tput", route_prefix="/tput")
         url = f"{BASE}/tput/generate"
         asyncio.run(burst(url, prompt_texts(packed, a.prompt_len, min(4, most)), 8))  # one-time costs, not timed
-        for c in a.concurrency:
-            runs = []
-            for _ in range(a.rounds):
-                texts = prompt_texts(packed, a.prompt_len, c)
-                before = engine_work(f"{BASE}/tput")
-                r = asyncio.run(burst(url, texts, a.new_tokens))
-                after = engine_work(f"{BASE}/tput")
-                # the engine's share of the burst: its steps, shared prefills and busy time
-                r["engine"] = {k: after[k] - before[k] for k in after}
-                r["tokens_per_s"] = r["tokens"] / r["wall_s"]
-                runs.append(r)
-                print(f"  {c:4d} concurrent: {r['tokens_per_s']:9.1f} tokens/s ({r['tokens']} tokens in "
-                      f"{r['wall_s']:.2f} s, {r['failed']} failed); engine busy {r['engine']['busy_s']:.2f} s, "
-                      f"{r['engine']['steps']} steps, {r['engine']['batched_prefills']} shared prefills; "
-                      f"a request {r['request_s_median']:.2f} s, {r['outside_engine_s_median']:.3f} s of it "
-                      f"outside the engine (medians)", flush=True)
-            res["runs"][c] = runs
+        for mode in ("plain", "stream") if a.stream else ("plain",):
+            for c in a.concurrency:
+                runs = []
+                for _ in range(a.rounds):
+                    texts = prompt_texts(packed, a.prompt_len, c)
+                    before = engine_work(f"{BASE}/tput")
+                    r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream"))
+                    after = engine_work(f"{BASE}/tput")
+                    # the engine's share of the burst: its steps, shared prefills and busy time
+                    r["engine"] = {k: after[k] - before[k] for k in after}
+                    r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+                    runs.append(r)
+                    outside = r["outside_engine_s_median"]
+                    print(f"  {c:4d} concurrent{' streamed' if mode == 'stream' else ''}: {r['tokens_per_s']:9.1f} "
+                          f"tokens/s ({r['tokens']} tokens in {r['wall_s']:.2f} s, {r['failed']} failed); engine busy "
+                          f"{r['engine']['busy_s']:.2f} s, {r['engine']['steps']} steps, "
+                          f"{r['engine']['batched_prefills']} shared prefills; a request {r['request_s_median']:.2f} s"
+                          + (f", {outside:.3f} s of it outside the engine (medians)" if outside is not None else ""),
+                          flush=True)
+                res["runs" if mode == "plain" else "runs_stream"][c] = runs
         import httpx
         res["replica_engine"] = httpx.get(f"{BASE}/tput/stats", timeout=30).json()["engine"]
     finally:
         serve.shutdown()
         ray.shutdown()
-    res["summary"] = {f"tokens_per_s_c{c}": statistics.median(r["tokens_per_s"] for r in runs)
-                      for c, runs in res["runs"].items()}
+    res["summary"] = {f"tokens_per_s{'_stream' if key == 'runs_stream' else ''}_c{c}":
+                      statistics.median(r["tokens_per_s"] for r in runs)
+                      for key in ("runs", "runs_stream") for c, runs in res.get(key, {}).items()}
     res["command"] = "PYTHONPATH=$PWD python bench/throughput.py " + " ".join(sys.argv[1:])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
