@@ -37,7 +37,9 @@ class EngineConfig(BaseModel):
     """Prompt + generated tokens per sequence; default min(the model's max_position_embeddings, 4096)."""
     prefill_chunk: int = Field(512, gt=0)
     """Prompt tokens prefilled per loop turn (and per forward), so a long prompt holds the running
-    sequences up for one chunk at a time."""
+    sequences up for one chunk at a time. Prompts that start at one position (fresh, or past one
+    prefix found in the paged cache) and pad to one length share a forward, as many as make a
+    power of two within the chunk."""
     cuda_graphs: bool = True
     """Replay the decode step as CUDA graphs (CUDA and the native decoder only)."""
     lazy_graphs: bool = True
