@@ -167,24 +167,16 @@ class Attention(nn.Module):
             out = self._sdpa(q, k, v, mask)
         elif ctx.cache.paged:
             out = self._paged(q, k, v, mask, ctx)
-        elif ctx.mode == "prefill" and ctx.slots is not None:  # several prompts, row b into slot slots[b]
+        elif ctx.mode == "prefill":  # one prompt's chunk into slot, or several prompts' (row b into slots[b])
+            rows = ctx.slots if ctx.slots is not None else slice(ctx.slot, ctx.slot + 1)
             kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
             end = ctx.start + S
-            kc[ctx.slots, :, ctx.start : end] = k
-            vc[ctx.slots, :, ctx.start : end] = v
-            if ctx.start == 0:
-                out = self._sdpa(q, k, v, mask)  # causal over each prompt itself (mask: sliding windows)
-            else:  # their prefixes too
-                out = self._sdpa(q, kc[ctx.slots, :, :end], vc[ctx.slots, :, :end], mask)
-        elif ctx.mode == "prefill":
-            kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
-            end = ctx.start + S
-            kc[ctx.slot, :, ctx.start : end] = k[0]
-            vc[ctx.slot, :, ctx.start : end] = v[0]
-            if ctx.start == 0 and mask is None:
-                out = self._sdpa(q, k, v, None)  # fresh prompt: causal over itself, flash-eligible
+            kc[rows, :, ctx.start : end] = k
+            vc[rows, :, ctx.start : end] = v
+            if ctx.start == 0:  # fresh: causal over itself (mask: sliding windows; flash-eligible without)
+                out = self._sdpa(q, k, v, mask)
             else:  # later chunk: attend to the cached prefix too
-                out = self._sdpa(q, kc[ctx.slot : ctx.slot + 1, :, :end], vc[ctx.slot : ctx.slot + 1, :, :end], mask)
+                out = self._sdpa(q, kc[rows, :, :end], vc[rows, :, :end], mask)
         else:  # decode: row i of the batch is cache slot i
             kc, vc = ctx.cache.k[self.layer_idx], ctx.cache.v[self.layer_idx]
             kc[ctx.rows, :, ctx.positions] = k[:, :, 0]  # [B, Hkv, Dh] written at each row's position
@@ -200,18 +192,12 @@ class Attention(nn.Module):
         the cache holds (gathered). q, k, v: [B, heads, S, Dh]."""
         cache, i = ctx.cache, self.layer_idx
         B, S, dev = q.shape[0], q.shape[2], q.device
-        if ctx.mode == "prefill" and ctx.slots is not None:  # several prompts, row b into slot slots[b]
-            cache.write(i, ctx.slots, torch.arange(ctx.start, ctx.start + S, device=dev).expand(B, S), k, v)
+        if ctx.mode == "prefill":  # one prompt's chunk into slot, or several prompts' (row b into slots[b])
+            rows = ctx.slots if ctx.slots is not None else torch.tensor([ctx.slot], device=dev)
+            cache.write(i, rows, torch.arange(ctx.start, ctx.start + S, device=dev).expand(B, S), k, v)
             if ctx.start == 0:
                 return self._sdpa(q, k, v, mask)
-            kc, vc = cache.read(i, ctx.slots, ctx.start + S)  # their prefixes too
-            return self._sdpa(q, kc, vc, mask)
-        if ctx.mode == "prefill":
-            slot = torch.tensor([ctx.slot], device=dev)
-            cache.write(i, slot, torch.arange(ctx.start, ctx.start + S, device=dev).unsqueeze(0), k, v)
-            if ctx.start == 0 and mask is None:
-                return self._sdpa(q, k, v, None)
-            kc, vc = cache.read(i, slot, ctx.start + S)
+            kc, vc = cache.read(i, rows, ctx.start + S)  # the cached prefix too
             return self._sdpa(q, kc, vc, mask)
         # decode: row b of the batch is cache slot b
         cache.write(i, ctx.rows, ctx.positions.view(B, 1), k, v)
