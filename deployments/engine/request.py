@@ -269,36 +269,39 @@ class RequestHandle:
     def __aiter__(self) -> "RequestHandle":
         return self
 
-    async def __anext__(self) -> Chunk:
+    def _queue(self) -> asyncio.Queue:
+        """This handle's queue in the running event loop (bound to it on first use there)."""
         if self._aq is None or self._loop is not asyncio.get_running_loop():
             self._bind(asyncio.get_running_loop())
-        if getattr(self, "_aended", False):
-            raise StopAsyncIteration
+        return self._aq
+
+    async def _next(self, q: asyncio.Queue) -> Chunk:
+        """The next chunk from ``q``; a cancelled wait (the consumer went away: a client's
+        disconnect) cancels the request."""
         try:
-            chunk = await self._aq.get()
-        except asyncio.CancelledError:  # the consumer went away (client disconnect)
+            chunk = await q.get()
+        except asyncio.CancelledError:
             self.cancel()
             raise
         if chunk.finish_reason is not None:
             self._aended = True
         return chunk
 
+    async def __anext__(self) -> Chunk:
+        q = self._queue()
+        if getattr(self, "_aended", False):
+            raise StopAsyncIteration
+        return await self._next(q)
+
     async def finished(self) -> tuple[list[int], str, str]:
         """Wait in the caller's event loop for the request's end, woken once rather than per
         token: (token_ids, text, finish_reason), as ``result``. A cancelled wait cancels the
         request, as a cancelled async iteration does."""
-        loop = asyncio.get_running_loop()
-        if self._aq is None or self._loop is not loop:
-            self._bind(loop)
+        q = self._queue()
         with self._cond:
             self._final_only = True
-        try:
-            while (await self._aq.get()).finish_reason is None:  # (chunks queued before this call)
-                pass
-        except asyncio.CancelledError:  # the consumer went away (client disconnect)
-            self.cancel()
-            raise
-        self._aended = True
+        while (await self._next(q)).finish_reason is None:  # (chunks queued before this call)
+            pass
         return self.result(timeout=0)
 
     def __iter__(self) -> Iterator[Chunk]:
