@@ -101,8 +101,10 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
 def engine_work(base: str) -> dict:
     """The replica engine's counters that tell a burst's work apart (``/stats``)."""
     import httpx
+
+    from bench.engine import WORK
     e = httpx.get(f"{base}/stats", timeout=30).json()["engine"]
-    return {k: e[k] for k in ("steps", "batched_prefills", "busy_s", "prompt_tokens")}
+    return {k: e[k] for k in WORK}
 
 
 def main() -> None:
