@@ -123,7 +123,7 @@ WORK = ("steps", "batched_prefills", "busy_s", "prompt_tokens")  # a run's work 
 def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device,
                    work: dict | None = None) -> float:
     """Total generated tokens/s with all prompts submitted at once (prefill included); ``work``
-    gets the engine's steps, shared prefills and busy time in the run."""
+    gets the engine's steps, shared prefills and busy time in the run, and its wall seconds."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     sync(device)
     before = engine.stats()
@@ -134,7 +134,7 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, de
     time.sleep(0.05)  # (the loop's last turn ends after the last request's)
     if work is not None:
         after = engine.stats()
-        work.update({k: after[k] - before[k] for k in WORK})
+        work.update({k: after[k] - before[k] for k in WORK}, wall_s=wall)
     return n / wall
 
 
@@ -170,11 +170,9 @@ def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[in
 
     for name in events:
         setattr(runner, name, timed(name))
-    steps0 = engine.stats()["steps"]
-    t = time.perf_counter()
-    tps = run_concurrent(engine, prompts, new_tokens, device)
-    wall = time.perf_counter() - t
-    steps = engine.stats()["steps"] - steps0
+    work: dict = {}
+    tps = run_concurrent(engine, prompts, new_tokens, device, work)
+    wall, steps = work["wall_s"], work["steps"]
     for name, fn in originals.items():
         setattr(runner, name, fn)
     sync(device)
