@@ -211,12 +211,16 @@ class ModelRunner:
         them (one memset, queued on the device)."""
         t0 = time.perf_counter()
         each: dict[int | str, float] = {}
+        cuda = self.device.type == "cuda"
+        if cuda:  # what the longest chunk's activations take beside the cache (reserve_bytes holds them)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
         def timed(key: int | str, run: Any) -> None:
             t = time.perf_counter()
             try:
                 run()
-                if self.device.type == "cuda":
+                if cuda:
                     torch.cuda.synchronize(self.device)
             except torch.OutOfMemoryError as e:
                 raise self.out_of_memory(f"its first prefill of {key} prompt tokens") from e
@@ -234,6 +238,9 @@ class ModelRunner:
                                                              logit_rows=self._logit_rows))
         if self.prefill_lengths or self._graphs:
             self.cache.zero_()
+        if cuda:
+            self.stats["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(self.device) - base[0]
+            self.stats["prefill_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device) - base[1]
         self.stats["first_prefill_s"] = time.perf_counter() - t0
         self.stats["first_prefill_ms"] = each  # per length: what the first one pays for the thread
 
