@@ -374,7 +374,7 @@ def test_fallback_engine_matches_transformers():
 def test_kv_cache_too_large_message():
     cfg = EngineConfig(max_slots=64, max_seq_len=8192).resolved(8192)
     with pytest.raises(ValueError, match=r"needs 64\.00 GiB.*only 10\.00 GiB of 80\.00 GiB.*lower engine\.max_slots"):
-        check_fits(64 << 30, cfg, 10 << 30, 80 << 30, "cuda:0")
+        check_fits(64 << 30, 1 << 30, cfg, 10 << 30, 80 << 30, "cuda:0")
 
 
 def test_default_buckets():

@@ -183,6 +183,27 @@ def test_device_memory_run_out_before_serving_names_what_to_change(monkeypatch, 
     eng.shutdown()
 
 
+def test_the_default_reserve_grows_with_the_prefill_chunk_and_a_set_one_stands():
+    """engine.reserve_bytes left out: 1 GiB plus twice the model's estimate of its largest prefill
+    forward, which grows with the chunk (a 7B model's shapes, on the meta device: nothing allocated)."""
+    from deployments.engine.runner import default_reserve
+    from deployments.model.llama import Transformer
+    with torch.device("meta"):
+        model = Transformer(ModelConfig("LlamaForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                        num_hidden_layers=1, num_attention_heads=32)).half()
+    GiB = 1 << 30
+    at = {c: default_reserve(model, EngineConfig(prefill_chunk=c).resolved(4096), 4 * 4096) for c in (512, 2048, 4096)}
+    assert GiB < at[512] < at[2048] < at[4096]
+    # the estimate: 2048 rows through one layer (123 KB each in fp16), 16384 gathered positions'
+    # keys and values (268 MB) and 128 rows of logits (25 MB), twice, beside 1 GiB
+    assert 2.0 * GiB < at[2048] < 2.2 * GiB
+    # a model with no estimate: 1 GiB; a reserve set in the config is what the runner keeps
+    assert default_reserve(object(), EngineConfig().resolved(4096), 0) == GiB
+    hf, cfg = hf_model("llama")
+    assert _engine(cfg, hf, reserve_bytes=3 * GiB).runner.reserve_bytes == 3 * GiB
+    assert GiB < _engine(cfg, hf).runner.reserve_bytes < 1.01 * GiB  # a tiny model's activations: little
+
+
 def test_a_request_the_cache_can_never_hold_is_refused_with_its_numbers():
     hf, cfg = hf_model("llama")
     eng = _engine(cfg, hf, kv_blocks=4)  # 3 blocks: 48 positions

@@ -50,8 +50,11 @@ class EngineConfig(BaseModel):
     """Decode batch buckets, each a CUDA graph; default 1, 2, 4, ... below max_slots, and max_slots."""
     kv_len_buckets: list[int] | tuple[int, ...] | None = None
     """Decode key-length buckets for the torch attention path; default 512, 2048, max_seq_len."""
-    reserve_bytes: int = Field(1 * GiB, ge=0)
-    """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces."""
+    reserve_bytes: int | None = Field(None, ge=0)
+    """Device memory kept free beside the KV cache for activations, graphs and cuBLAS workspaces.
+    Default: 1 GiB plus twice what the model's largest prefill forward is estimated to allocate
+    (it grows with prefill_chunk; about 2.1 GiB for a 7B model at 2048 tokens); the engine's
+    start runs that forward once, so a reserve too small fails the start, naming this field."""
     prefill_padding: bool = True
     """Pad each prompt chunk to one of a few lengths (powers of two from prefill_min_len, and
     prefill_chunk), each run once before serving, so no request pays a first run of its shape."""

@@ -33,13 +33,24 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise AssertionError(f"{n} above the largest bucket {buckets[-1]}")
 
 
-def check_fits(need: int, cfg: EngineConfig, free: int, total: int, device: str) -> None:
+def check_fits(need: int, reserve: int, cfg: EngineConfig, free: int, total: int, device: str) -> None:
     """Raise ValueError (which knob to lower, needed vs free) if the KV cache does not fit."""
-    if need + cfg.reserve_bytes > free:
+    if need + reserve > free:
         raise ValueError(
             f"KV cache needs {need / GiB:.2f} GiB ({cfg.max_slots} slots x {cfg.max_seq_len} tokens) plus "
-            f"{cfg.reserve_bytes / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
+            f"{reserve / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of {total / GiB:.2f} GiB "
             f"is free on {device}; lower engine.max_slots or engine.max_seq_len (or engine.reserve_bytes)")
+
+
+def default_reserve(model: Any, cfg: EngineConfig, gathered: int) -> int:
+    """engine.reserve_bytes where it is not set: 1 GiB (graphs, cuBLAS workspaces, sampling) plus
+    twice the model's estimate of its largest prefill forward (``activation_bytes``: a chunk of
+    ``prefill_chunk`` tokens reading ``gathered`` cached positions), or 1 GiB alone for a model
+    without one."""
+    estimate = getattr(model, "activation_bytes", None)
+    if estimate is None:
+        return GiB
+    return GiB + 2 * estimate(cfg.prefill_chunk, max(1, cfg.prefill_chunk // 16), gathered)
 
 
 class ModelRunner:
@@ -57,6 +68,11 @@ class ModelRunner:
         if paged and not getattr(model, "supports_paged_cache", False):
             log.warning("engine.kv_cache paged: %s has no paged cache; a static one instead", type(model).__name__)
             paged = False
+        # past a prefix, a group's attention gathers each row's cached positions: at most four
+        # longest prompts' worth (a single prompt's chunk gathers up to one)
+        self.group_read = 4 * cfg.max_seq_len
+        self.reserve_bytes = (cfg.reserve_bytes if cfg.reserve_bytes is not None
+                              else default_reserve(model, cfg, self.group_read if paged else cfg.max_seq_len))
         self.cache = self._paged_cache() if paged else self._static_cache()
         # its kernels' paged variants, tested before any graph or key-length bound depends on them
         check = getattr(model, "check_paged_kernels", None) if paged else None
@@ -82,10 +98,7 @@ class ModelRunner:
         # rows a group can have, one shape for every group
         self.batched_prefill = bool(self.prefill_lengths) and getattr(model, "supports_batched_prefill", False)
         self._logit_rows = max(1, cfg.prefill_chunk // 16)
-        # past a prefix, a group's attention gathers each row's cached positions: at most four
-        # longest prompts' worth (a single prompt's chunk gathers up to one)
-        self.group_read = 4 * cfg.max_seq_len
-        self.stats: dict[str, Any] = {"capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
+        self.stats: dict[str, Any] = {"reserve_bytes": self.reserve_bytes, "capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
                                       "late_captures": {}, **({"paged_kernel_test_s": paged_test_s} if paged else {})}
 
     def _static_cache(self) -> Any:
@@ -93,27 +106,27 @@ class ModelRunner:
         need = model.cache_bytes(cfg.max_slots, cfg.max_seq_len)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            check_fits(need, cfg, free, total, str(self.device))
+            check_fits(need, self.reserve_bytes, cfg, free, total, str(self.device))
         log.info("KV cache: %.2f GiB for %d slots x %d tokens", need / GiB, cfg.max_slots, cfg.max_seq_len)
         self.cache_bytes = need
         return model.new_cache(cfg.max_slots, cfg.max_seq_len)
 
     def _paged_cache(self) -> Any:
         """As many blocks as engine.kv_blocks says, else as the device's free memory holds beside
-        reserve_bytes (on the CPU: max_slots x max_seq_len positions' worth, and the null block)."""
-        cfg, model = self.cfg, self.model
+        the reserve (on the CPU: max_slots x max_seq_len positions' worth, and the null block)."""
+        cfg, model, reserve = self.cfg, self.model, self.reserve_bytes
         bs, per = cfg.kv_block_size, model.cache_block_bytes(cfg.kv_block_size)
         n = cfg.kv_blocks
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             if n is None:
-                n = max(0, free - cfg.reserve_bytes) // per
+                n = max(0, free - reserve) // per
                 if n < 2:
                     raise ValueError(f"a paged KV cache needs 2 blocks of {per / 2**20:.1f} MiB beside "
-                                     f"{cfg.reserve_bytes / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of "
+                                     f"{reserve / GiB:.2f} GiB reserve, but only {free / GiB:.2f} GiB of "
                                      f"{total / GiB:.2f} GiB is free on {self.device}; lower engine.reserve_bytes")
-            elif n * per + cfg.reserve_bytes > free:
-                raise ValueError(f"engine.kv_blocks={n} needs {n * per / GiB:.2f} GiB plus {cfg.reserve_bytes / GiB:.2f} "
+            elif n * per + reserve > free:
+                raise ValueError(f"engine.kv_blocks={n} needs {n * per / GiB:.2f} GiB plus {reserve / GiB:.2f} "
                                  f"GiB reserve, but only {free / GiB:.2f} GiB of {total / GiB:.2f} GiB is free on "
                                  f"{self.device}; lower engine.kv_blocks (or leave it out: the free memory decides)")
         elif n is None:
@@ -130,7 +143,7 @@ class ModelRunner:
                  else "lower engine.max_slots or engine.max_seq_len")
         return RuntimeError(
             f"the engine ran out of device memory in {what}, beside a KV cache of {self.cache_bytes / GiB:.2f} GiB "
-            f"and engine.reserve_bytes={cfg.reserve_bytes / GiB:.2f} GiB kept free for this: raise "
+            f"and engine.reserve_bytes={self.reserve_bytes / GiB:.2f} GiB kept free for this: raise "
             f"engine.reserve_bytes, or {fewer}, or lower engine.prefill_chunk={cfg.prefill_chunk}")
 
     def assign(self, slot: int, blocks: list[int], clear: list[int] = ()) -> None:

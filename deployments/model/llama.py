@@ -174,6 +174,17 @@ class Transformer(nn.Module):
     def cache_block_bytes(self, block_size: int) -> int:
         return PagedKVCache.bytes_per_block(self.config, block_size, self.dtype)
 
+    def activation_bytes(self, tokens: int, logit_rows: int, gathered: int) -> int:
+        """An upper estimate of what one prefill forward allocates beside the weights and the
+        cache: ``tokens`` rows through a layer (the residual, its norm, q/k/v, the attention's
+        output and the MLP's gate, up and product), ``gathered`` cached positions' keys and values
+        read back for its attention (a chunk past a prefix), and the head's ``logit_rows`` logits
+        (with their fp32 copy for sampling). Layers run one after another, so one layer's worth."""
+        c, size = self.config, self.dtype.itemsize
+        kv = c.num_key_value_heads * c.head_dim
+        per_token = 4 * c.hidden_size + c.num_attention_heads * c.head_dim + 2 * kv + 3 * c.intermediate_size
+        return (tokens * per_token + gathered * 2 * kv) * size + logit_rows * c.vocab_size * (size + 4)
+
     def check_paged_kernels(self, cache: PagedKVCache) -> float:
         """Keep the decode kernels whose paged variants pass their test at ``cache``'s geometry
         (``kernels.policy.paged_check``: once per node); its seconds."""
