@@ -45,26 +45,38 @@ def serve_applications(serve_config: Path = SERVE_CONFIG) -> list[dict[str, Any]
 
 
 GPU_MAX_SEQ_LEN = 4096
+# a GPU replica's engine: a paged KV cache in the memory the weights leave, up to 128 sequences
+# decoded at once, 2048-token prefill chunks (16 fresh 128-token prompts a forward);
+# docs/measurements.md "Paged KV cache" has the figures that chose them
+GPU_ENGINE = {"kv_cache": "paged", "max_slots": 128, "prefill_chunk": 2048}
 
 
 def gpu_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
     """serve_config for GPU nodes: every deployment that has a `num_gpus` knob gets one
     GPU (one replica per GPU) and 4 CPUs (the loader's reader threads), `args.model`
-    points at the mounted model with a 4096-token context, and the proxies listen on all interfaces (inside
-    a container 127.0.0.1 is unreachable from outside)."""
+    points at the mounted model with a 4096-token context and the engine of ``GPU_ENGINE``, Ray's
+    limits follow what that replica holds (autoscaling's target: its ``max_slots``; requests sent
+    to it: twice that, the rest waiting in its engine's queue; Ray's own queue: twice that again),
+    and the proxies listen on all interfaces (inside a container 127.0.0.1 is unreachable from
+    outside)."""
     cfg = copy.deepcopy(cfg)
     cfg.setdefault("http_options", {})["host"] = "0.0.0.0"
     for app in cfg["applications"]:
         if "model" in (app.get("args") or {}):
             app["args"]["model"] = GPU_MODEL
-            # a 7B model's full context: 8 slots x 4096 tokens is 16 GiB of fp16 KV cache,
-            # which fits beside 13.5 GB of weights on a 40 GB A100
-            app["args"].setdefault("engine", {})["max_seq_len"] = GPU_MAX_SEQ_LEN
+            # a 7B model's full context; on a 40 GB A100 the paged cache holds ~45,000 positions
+            # beside 13.5 GB of weights (128 sequences of ~350 tokens on average, fewer longer ones)
+            app["args"].setdefault("engine", {}).update(max_seq_len=GPU_MAX_SEQ_LEN, **GPU_ENGINE)
         for dep in app.get("deployments", []):
             opts = dep.get("ray_actor_options") or {}
             if "num_gpus" in opts:
                 opts["num_gpus"] = 1
                 opts["num_cpus"] = max(opts.get("num_cpus", 1), 4)
+                slots = GPU_ENGINE["max_slots"]
+                dep["max_ongoing_requests"] = 2 * slots
+                dep["max_queued_requests"] = 4 * slots
+                if dep.get("autoscaling_config"):
+                    dep["autoscaling_config"]["target_ongoing_requests"] = slots
     return cfg
 
 

@@ -261,30 +261,47 @@ def test_rayservice_serves_the_same_application_as_serve_config():
         "serve_config.gpu.yaml differs from serve_config.yaml: run python k8s/sync.py"
 
 
-def test_gpu_overlay_changes_only_gpus_model_context_and_host():
+def test_gpu_overlay_changes_only_gpus_model_engine_limits_and_host():
     sync = load_sync()
     base = serve_config()
     gpu = sync.gpu_overlay(base)
     assert gpu["http_options"]["host"] == "0.0.0.0"
+    engine_keys = {"max_seq_len", *sync.GPU_ENGINE}
     for a, b in zip(base["applications"], gpu["applications"], strict=True):
         if "model" in (a.get("args") or {}):
             assert b["args"]["model"] == sync.GPU_MODEL
-            assert b["args"]["engine"]["max_seq_len"] == sync.GPU_MAX_SEQ_LEN
+            assert b["args"]["engine"] == {**a["args"]["engine"], "max_seq_len": sync.GPU_MAX_SEQ_LEN, **sync.GPU_ENGINE}
+        slots = b["args"]["engine"]["max_slots"]
         for da, db in zip(a.get("deployments", []), b.get("deployments", []), strict=True):
             oa, ob = da.get("ray_actor_options") or {}, db.get("ray_actor_options") or {}
             if "num_gpus" in oa:
                 assert ob["num_gpus"] == 1 and ob["num_cpus"] >= oa.get("num_cpus", 1)
-            strip = lambda d: {k: v for k, v in d.items() if k != "ray_actor_options"}  # noqa: E731
-            assert strip(da) == strip(db), "only ray_actor_options may differ"
+                # Ray's limits follow what the replica holds: scale when its slots are busy, send it
+                # more than that (the rest wait in its engine), and queue more before a 503
+                assert db["autoscaling_config"]["target_ongoing_requests"] == slots
+                assert db["max_ongoing_requests"] > slots and db["max_queued_requests"] > db["max_ongoing_requests"]
+            limits = ("ray_actor_options", "max_ongoing_requests", "max_queued_requests")
+            strip = lambda d: {k: v for k, v in d.items() if k not in limits}  # noqa: E731
+            strip_auto = lambda d: {k: v for k, v in d.items() if k != "target_ongoing_requests"}  # noqa: E731
+            assert strip_auto(strip(da).pop("autoscaling_config", {})) == strip_auto(strip(db).pop("autoscaling_config", {}))
+            assert {k: v for k, v in strip(da).items() if k != "autoscaling_config"} == \
+                {k: v for k, v in strip(db).items() if k != "autoscaling_config"}, "only the limits may differ"
         strip_args = lambda x: {k: v for k, v in x.items() if k not in ("args", "deployments")}  # noqa: E731
         assert strip_args(a) == strip_args(b)
         def other_args(x):
             args = {k: v for k, v in (x.get("args") or {}).items() if k != "model"}
             if "engine" in args:
-                args["engine"] = {k: v for k, v in args["engine"].items() if k != "max_seq_len"}
+                args["engine"] = {k: v for k, v in args["engine"].items() if k not in engine_keys}
             return args
         assert other_args(a) == other_args(b)
     assert base == serve_config(), "the overlay must not modify its input"
+
+
+def test_the_gpu_config_passes_its_own_checks():
+    """What `coldstart serve serve_config.gpu.yaml` checks before Ray starts: the engine's options
+    parse, and Ray's limits leave no slot of a replica idle."""
+    from deployments.tools.cli import check_config
+    assert check_config(str(GPU_CONFIG)) == []
 
 
 def test_sync_rewrites_only_the_serve_config_block(tmp_path):
