@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-slots", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--prefill-chunk", type=int, default=512, help="engine.prefill_chunk")
-    ap.add_argument("--reserve-gib", type=float, default=1.0, help="engine.reserve_bytes, in GiB")
+    ap.add_argument("--reserve-gib", type=float, default=None,
+                    help="engine.reserve_bytes, in GiB (default: the engine's, from the model and the prefill chunk)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--kv-cache", choices=["static", "paged"], default="static", help="engine.kv_cache")
     ap.add_argument("--kv-block-size", type=int, default=16, help="engine.kv_block_size (paged)")
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     max_seq = min(args.max_seq_len, model.max_position_embeddings)
     ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs,
-                        prefill_chunk=args.prefill_chunk, reserve_bytes=int(args.reserve_gib * 2**30),
+                        prefill_chunk=args.prefill_chunk,
+                        reserve_bytes=None if args.reserve_gib is None else int(args.reserve_gib * 2**30),
                         kv_cache=args.kv_cache, kv_block_size=args.kv_block_size,
                         prefix_cache=not args.no_prefix_cache,
                         graph_batch_sizes=args.graph_batch_sizes, kv_len_buckets=args.kv_buckets)
@@ -398,6 +400,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "tokens_per_s_b16" in res and "tokens_per_s_b1" in res:
         res["ratio_b16_b1"] = res["tokens_per_s_b16"] / res["tokens_per_s_b1"]
     res["engine_stats"] = engine.stats()  # (paged: kv_blocks, the cache's size in blocks)
+    for k in ("reserve_bytes", "prefill_peak_bytes", "prefill_peak_reserved_bytes"):  # the reserve against its use
+        if k in res["engine_stats"]:
+            res[k.replace("_bytes", "_gib")] = res["engine_stats"][k] / 2**30
     if "preemptions" in res["engine_stats"]:
         res["preemptions"] = res["engine_stats"]["preemptions"]
     res["kv_cache"], res["shared_prefix"], res["prompt_lens"] = args.kv_cache, args.shared_prefix, args.prompt_lens

@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged profile
+#         tp-rank tp-serve paged paged-start profile
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -55,7 +55,7 @@ for stage in "$@"; do
              python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
                ${PYTHONPATH//:/ } > /dev/null 2>&1
              m=""; [ -f $W/serve-partial.json ] && m="--merge $W/serve-partial.json"
-             python3 bench/serve.py --out "$out" --report "$out" --kinds minimal,coldstart,coldstart-nokernels \
+             python3 bench/serve.py --out "$out" --report "$out" --kinds ${FRESH_KINDS:-minimal,coldstart,coldstart-nokernels} \
                --caches fresh --repeat ${FRESH_REPEAT:-3} $m ${SERVE_EXTRA:-} > "$out/fresh-node.log" 2>&1; r=$?
              grep -E "added->RUNNING|^- new node" "$out/fresh-node.log"; (exit $r) ;;
     restructure-serve) # a replica's start in Ray before the restructure and after it, each beside the
@@ -90,40 +90,43 @@ for stage in "$@"; do
              python3 bench/tp.py serve --out "$out" --shape llama2-13b --tp 2 2>&1 | tail -8; r=$?
              if [ "$n" -ge 4 ]; then python3 bench/tp.py serve --out "$out" --shape llama3-70b --tp 4 2>&1 | tail -8
                r=$((r | $?)); fi; (exit $r) ;;
-    paged)   # the paged KV cache beside the static one, the engine alone: static with 16 slots (today's
-             # figure) and with 128 of 1024 positions (what fits), paged with 128 of 4096, prefix reuse
-             # on and off behind a shared system prompt; then the paged replica through Ray Serve's
-             # HTTP front at 64 and 128 concurrent (128 in, 128 out)
+    paged)   # the paged KV cache beside the static one, the engine alone: static with 16 slots (the
+             # static default's figure) and with 128 of 1024 positions (what fits), paged as
+             # serve_config.gpu.yaml has it (128 of 4096, 2048-token prefill chunks, the reserve the
+             # engine derives), prefix reuse on and off behind a shared system prompt, a mixed load
+             # beyond the cache; then the paged replica through Ray Serve's HTTP front at 64 and 128
+             # concurrent (128 in, 128 out), with Python's GIL switch interval and with 0.5 ms
+             E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 16 --concurrency 1,16 \
                --out "$out/engine-static-16.json" 2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+) " | sed 's/^/static16  /'
              python3 bench/engine.py $W/packed --max-seq-len 1024 --no-hf --max-slots 128 --concurrency 32,64,128 \
                --out "$out/engine-static-128.json" 2>&1 | grep -E "^tokens_per_s_b[0-9]+ " | sed 's/^/static128 /'
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
-               --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
-               | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|work_b(64|128)|capture_warmup_s) " | sed 's/^/paged128  /'
-             # the same with 2048-token prefill chunks (16 fresh prompts a forward) and a 2 GiB reserve
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
-               --prefill-chunk 2048 --reserve-gib 2 --concurrency 1,64,128 --out "$out/engine-paged-128-chunk2048.json" \
-               2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|capture_warmup_s) " | sed 's/^/paged2048 /'
+             python3 bench/engine.py $W/packed $E --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
+               | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|work_b(64|128)|capture_warmup_s|reserve_gib|prefill_peak(_reserved)?_gib) " \
+               | sed 's/^/paged128  /'
              for pc in "" --no-prefix-cache; do  # 64 chats behind one 1024-token system prompt
-               python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged $pc \
-                 --shared-prefix 1024 --concurrency 64 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
+               python3 bench/engine.py $W/packed $E $pc --shared-prefix 1024 --concurrency 64 \
+                 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
                  | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024${pc:+ off} /"; done
              # the same 64 behind a system prompt the cache has not seen (one computes it, the others share it)
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
-               --shared-prefix 1024 --new-prefix --concurrency 64 --out "$out/engine-paged-shared-new.json" 2>&1 \
-               | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024 new /"
+             python3 bench/engine.py $W/packed $E --shared-prefix 1024 --new-prefix --concurrency 64 \
+               --out "$out/engine-paged-shared-new.json" 2>&1 | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024 new /"
              # a mixed load more than the cache holds at once: 256 prompts of 32-3000 tokens (preemptions,
              # no request lost)
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 256 --kv-cache paged \
-               --prompt-lens 32,3000 --concurrency 256 --out "$out/engine-paged-mixed.json" 2>&1 \
-               | grep -E "^tokens_per_s_b256 |preemptions" | sed 's/^/mixed256  /'
+             python3 bench/engine.py $W/packed ${E/--max-slots 128/--max-slots 256} --prompt-lens 32,3000 --concurrency 256 \
+               --out "$out/engine-paged-mixed.json" 2>&1 | grep -E "^tokens_per_s_b256 |preemptions|prefill_peak" | sed 's/^/mixed256  /'
              # (each burst's line: the engine's steps, shared prefills and busy time in it, and the
-             # requests' time outside the engine, beside the engine run's work_b64/128 above; then
-             # the same bursts streamed)
-             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 --stream \
-               --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' 2>&1 \
-               | grep -E "concurrent:|tokens_per_s_c" ;;
+             # requests' time outside the engine, beside the engine run's work_b64/128 above)
+             for env in "" COLDSTART_SWITCH_INTERVAL_MS=0.5; do
+               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
+                 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
+                 | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
+    paged-start) # the replica's start in Ray with the paged engine of serve_config.gpu.yaml beside the
+             # static one of 16 slots, three warm rounds each
+             python3 bench/serve.py --out "$out/paged-start" --kinds minimal,coldstart --caches warm --repeat 3 \
+               --variant paged='{"engine":{"kv_cache":"paged","max_slots":128,"prefill_chunk":2048}}' \
+               > "$out/paged-start.log" 2>&1; r=$?
+             grep -E "added->RUNNING" "$out/paged-start.log"; (exit $r) ;;
     profile) # where a step's time goes at 128 concurrent: the paged attention beside the static one
              # (kernels alone), then the engine's decode steps' device time against their wall time
              # and the loop thread's busiest functions, static and paged, and paged with longer

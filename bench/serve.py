@@ -293,7 +293,7 @@ def measure(name: str, app, url_path: str, body: dict | None) -> dict:
         if info.get("imported_at"):
             res["to_project_import_s"] = info["imported_at"] - zero
     if info.get("early_import"):  # the worker setup hook (deployments.early): when, and each import done
-        res["early_import_s"] = {k.removesuffix("_at"): round(v - zero, 3)
+        res["early_import_s"] = {k.removesuffix("_at"): round(v - zero, 3) if k.endswith("_at") else v
                                  for k, v in info["early_import"].items()}
     print(f"  {name:22s} added->RUNNING {res.get('start_to_running_s', float('nan')):6.2f} s "
           f"(Ray logged {res.get('ray_logged_startup_s', float('nan')):.1f}), deploy->warm {warm:6.2f} s, "

@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true",
                     help="each concurrency's rounds streamed as well (answers read line by line)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for the replica (repeatable); the result file is named after them")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     import ray
@@ -126,12 +128,13 @@ def main() -> None:
     from bench.serve import BASE, CONFIG_ENV, ENV, WARMUP
     from deployments.app import LLMDeployment
     packed = Path(a.packed)
-    ray.init(runtime_env={"env_vars": {**ENV, **CONFIG_ENV}}, include_dashboard=False)
+    extra = dict(e.split("=", 1) for e in a.env)
+    ray.init(runtime_env={"env_vars": {**ENV, **CONFIG_ENV, **extra}}, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     most = max(a.concurrency)
     dep = LLMDeployment.options(ray_actor_options={"num_gpus": a.num_gpus, "num_cpus": 1}, user_config=WARMUP,
                                 max_ongoing_requests=most + 8, max_queued_requests=most)
-    res: dict = {"engine": a.engine, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "runs": {},
+    res: dict = {"engine": a.engine, "env": extra, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "runs": {},
                  **({"runs_stream": {}} if a.stream else {})}
     try:
         serve.run(dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu", engine=a.engine),
@@ -169,7 +172,8 @@ def main() -> None:
     res["command"] = "PYTHONPATH=$PWD python bench/throughput.py " + " ".join(sys.argv[1:])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"throughput-{a.engine.get('kv_cache', 'static')}.json"
+    name = "-".join(["throughput", a.engine.get("kv_cache", "static"), *(f"{k}{v}" for k, v in extra.items())])
+    name = name.replace("COLDSTART_", "").lower() + ".json"
     (out / name).write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
 
