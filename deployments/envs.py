@@ -30,19 +30,6 @@ def _text(name: str, v: str) -> str:
     return v.strip()
 
 
-def _ms(name: str, v: str) -> float | None:
-    """Milliseconds above 0, or None where empty."""
-    if not v.strip():
-        return None
-    try:
-        ms = float(v)
-    except ValueError:
-        ms = 0.0
-    if not ms > 0:
-        raise ValueError(f"{name}={v!r}: give milliseconds above 0 (or leave it empty)")
-    return ms
-
-
 @dataclass(frozen=True)
 class Var:
     name: str
@@ -66,12 +53,6 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("COLDSTART_PAUSE_GC", "1", _flag, "0 leaves Python's garbage collector on during a replica's start "
         "(by default it is paused from the setup hook until the replica is warm, then what the start made "
         "is frozen).", "0 / 1"),
-    Var("COLDSTART_PREFETCH_LIBS", "0", _flag, "1: the worker setup hook reads the cuBLAS libraries into the "
-        "page cache beside Ray's start of the worker, so a new node's first GEMMs do not fault them in from disk "
-        "page by page (`deployments.startup.libs`).", "0 / 1"),
-    Var("COLDSTART_SWITCH_INTERVAL_MS", "", _ms, "How long, in milliseconds, a warm replica's Python thread "
-        "holding the GIL runs before another waiting one takes it (`sys.setswitchinterval`); empty: Python's own "
-        "5 ms. The engine's loop thread waits for it each step while the HTTP side's event loop is busy.", "ms"),
     Var("CUDA_MODULE_LOADING", "LAZY", _text, "CUDA's own: LAZY (serve_config.yaml sets it, and torch's "
         "default) loads each kernel at its first use, so a context is made in ~0.4 s instead of seconds; a "
         "replica warns where it is anything else.", "LAZY / EAGER"),

@@ -36,11 +36,6 @@ def test_env_values_are_parsed_with_the_variables_name():
         envs.read("COLDSTART_PAUSE_GC", {"COLDSTART_PAUSE_GC": "maybe"})
     with pytest.raises(KeyError):
         envs.read("COLDSTART_NOT_A_VARIABLE", {})
-    assert envs.read("COLDSTART_SWITCH_INTERVAL_MS", {}) is None
-    assert envs.read("COLDSTART_SWITCH_INTERVAL_MS", {"COLDSTART_SWITCH_INTERVAL_MS": "0.5"}) == 0.5
-    for bad in ("0", "-1", "fast"):
-        with pytest.raises(ValueError, match=rf"COLDSTART_SWITCH_INTERVAL_MS='{bad}': give milliseconds above 0"):
-            envs.read("COLDSTART_SWITCH_INTERVAL_MS", {"COLDSTART_SWITCH_INTERVAL_MS": bad})
 
 
 def test_only_the_registry_reads_the_environment():

@@ -21,12 +21,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from deployments import envs
 from deployments.config import DeploymentArgs
 from deployments.startup import early
 from weights.format import rank_dir
@@ -117,13 +115,9 @@ class Start:
     def finish(self, warm: bool) -> None:
         """After the first warm-up: what the start made lives as long as the process, so it is
         moved out of the garbage collector's generations (never walked again) and a paused
-        collector turned back on; a warm-up that failed turns it back on without freezing. The GIL's
-        switch interval becomes COLDSTART_SWITCH_INTERVAL_MS where it is set."""
+        collector turned back on; a warm-up that failed turns it back on without freezing."""
         if not self.own_process:
             return
-        interval = envs.read("COLDSTART_SWITCH_INTERVAL_MS")
-        if interval is not None:
-            sys.setswitchinterval(interval / 1e3)
         if early.gc_paused():
             early.resume_gc(freeze=warm)
         elif warm:

@@ -26,13 +26,6 @@ object into the collector's permanent generation (``gc.freeze()``: never walked 
 it back on. A replica that fails to start turns it back on without freezing. COLDSTART_PAUSE_GC=0
 leaves the collector on. This module and the replica's start (``deployments.server.start``) are
 the only code that starts side threads or touches the collector.
-
-Where COLDSTART_PREFETCH_LIBS is on, the hook starts one more thread, whatever
-COLDSTART_EARLY_IMPORT says: it reads the cuBLAS libraries into the page cache
-(``deployments.startup.libs``), so that a new node's first GEMMs find their kernels in memory
-instead of faulting them in from disk page by page. It reads files only, no CUDA call, and is
-not waited for: the replica's start goes on as without it. What it read and when it was done
-are in ``times()`` (``libs_prefetch_*``).
 """
 
 from __future__ import annotations
@@ -58,18 +51,14 @@ _times: dict[str, float] = {}
 _thread: threading.Thread | None = None
 _error: list[BaseException] = []
 _gc: dict[str, float] = {}  # paused_at, resumed_at (Unix times), frozen (objects)
-_libs: dict[str, float] = {}  # libs_prefetch_files, _bytes, _s (seconds) and _done_at (Unix time)
-_libs_thread: threading.Thread | None = None
 
 
 def hook() -> None:
-    """Ray's worker setup hook: pause the garbage collector, start the library prefetch where
-    it is on, turn on the bytecode cache and start the import thread (each once per process);
-    returns at once, so Ray's start of the worker goes on."""
+    """Ray's worker setup hook: pause the garbage collector, turn on the bytecode cache and
+    start the import thread (once per process); returns at once, so Ray's start of the worker
+    goes on."""
     global _thread
     pause_gc()
-    if envs.read("COLDSTART_PREFETCH_LIBS"):
-        _start_prefetch()
     if _thread is not None or not modules():
         return
     _times["hook_at"] = time.time()
@@ -104,27 +93,6 @@ def _imports() -> None:
     _times["done_at"] = time.time()
 
 
-def _start_prefetch() -> None:
-    global _libs_thread
-    if _libs_thread is not None:
-        return
-    try:
-        _libs_thread = threading.Thread(target=_prefetch, name="coldstart-prefetch-libs", daemon=True)
-        _libs_thread.start()
-    except Exception:  # noqa: BLE001 - no thread: the first GEMMs read the libraries, as without it
-        pass
-
-
-def _prefetch() -> None:
-    try:
-        from deployments.startup import libs
-        r = libs.prefetch(libs.find())
-        _libs.update({"libs_prefetch_files": r["files"], "libs_prefetch_bytes": r["bytes"],
-                      "libs_prefetch_s": r["s"], "libs_prefetch_done_at": time.time()})
-    except BaseException:  # noqa: BLE001 - a side thread's failure must not reach the worker
-        pass
-
-
 def wait(timeout: float | None = None) -> bool:
     """Wait for the import thread, where there is one; whether it is done (True without one)."""
     if _thread is None:
@@ -135,9 +103,8 @@ def wait(timeout: float | None = None) -> bool:
 
 def times() -> dict[str, float]:
     """Unix times of the hook's call and of each module's import done (empty without the hook),
-    for the replica's /stats: the bench relates them to the deploy. With the library prefetch,
-    once it is done: ``libs_prefetch_files``, ``_bytes``, ``_s`` (seconds it took) and ``_done_at``."""
-    return {**_times, **_libs}
+    for the replica's /stats: the bench relates them to the deploy."""
+    return dict(_times)
 
 
 def pause_gc(env: Mapping[str, str] | None = None) -> bool:
