@@ -424,7 +424,9 @@ def main() -> None:
 
     def ours(tag: str, variant: dict | None = None, model: Path | None = None) -> dict:
         v = variant or {}
-        env = {**CONFIG_ENV, **(v.get("env") or {})}
+        # as `coldstart serve --model` and serve_config.gpu.yaml set it: the setup hook reads the
+        # weights early where they are not cached (a variant's env may set it empty: off)
+        env = {**CONFIG_ENV, "COLDSTART_EARLY_WEIGHTS": str(model or packed), **(v.get("env") or {})}
         opts = {**gpus, "runtime_env": {"env_vars": {**ENV, **env}}}
         dep = LLMDeployment.options(ray_actor_options=opts, user_config=WARMUP)
         app = dep.bind(model=str(model or packed), device="cuda" if a.num_gpus else "cpu",

@@ -53,6 +53,11 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("COLDSTART_PAUSE_GC", "1", _flag, "0 leaves Python's garbage collector on during a replica's start "
         "(by default it is paused from the setup hook until the replica is warm, then what the start made "
         "is frozen).", "0 / 1"),
+    Var("COLDSTART_EARLY_WEIGHTS", "", _text, "A packed model directory (absolute) whose weights the worker "
+        "setup hook starts reading into the page cache, one piece at a time, where they are mostly not there "
+        "yet: on a new node the disk then works from Ray's first moments of the worker instead of from the "
+        "replica's constructor, seconds later. `coldstart serve --model` and serve_config.gpu.yaml set it to "
+        "`args.model`; empty: the constructor starts that read (`load.trickle`).", "path"),
     Var("CUDA_MODULE_LOADING", "LAZY", _text, "CUDA's own: LAZY (serve_config.yaml sets it, and torch's "
         "default) loads each kernel at its first use, so a context is made in ~0.4 s instead of seconds; a "
         "replica warns where it is anything else.", "LAZY / EAGER"),

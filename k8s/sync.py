@@ -54,7 +54,8 @@ GPU_ENGINE = {"kv_cache": "paged", "max_slots": 128, "prefill_chunk": 2048}
 def gpu_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
     """serve_config for GPU nodes: every deployment that has a `num_gpus` knob gets one
     GPU (one replica per GPU) and 4 CPUs (the loader's reader threads), `args.model`
-    points at the mounted model with a 4096-token context and the engine of ``GPU_ENGINE``, Ray's
+    points at the mounted model (the setup hook's COLDSTART_EARLY_WEIGHTS too) with a 4096-token
+    context and the engine of ``GPU_ENGINE``, Ray's
     limits follow what that replica holds (autoscaling's target: its ``max_slots``; requests sent
     to it: twice that, the rest waiting in its engine's queue; Ray's own queue: twice that again),
     and the proxies listen on all interfaces (inside a container 127.0.0.1 is unreachable from
@@ -67,6 +68,8 @@ def gpu_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
             # a 7B model's full context; on a 40 GB A100 the paged cache holds ~45,000 positions
             # beside 13.5 GB of weights (128 sequences of ~350 tokens on average, fewer longer ones)
             app["args"].setdefault("engine", {}).update(max_seq_len=GPU_MAX_SEQ_LEN, **GPU_ENGINE)
+            # a new node's worker setup hook starts reading the weights (deployments/startup/early.py)
+            app.setdefault("runtime_env", {}).setdefault("env_vars", {})["COLDSTART_EARLY_WEIGHTS"] = GPU_MODEL
         for dep in app.get("deployments", []):
             opts = dep.get("ray_actor_options") or {}
             if "num_gpus" in opts:

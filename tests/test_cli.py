@@ -98,6 +98,8 @@ def test_serve_model_points_every_coldstart_application_at_it():
     base = yaml.safe_load(text)
     assert cfg["applications"][0]["args"]["model"] == "/models/my-llama"
     base["applications"][0]["args"]["model"] = "/models/my-llama"
+    # and the setup hook reads its weights early on a node where they are not cached
+    base["applications"][0]["runtime_env"]["env_vars"]["COLDSTART_EARLY_WEIGHTS"] = "/models/my-llama"
     assert cfg == base  # nothing else changes, num_gpus neither
     other = "applications:\n- name: a\n  import_path: other.app:build\n  args: {model: m}\n"
     with pytest.raises(ValueError, match="no application with import_path deployments.app:build_app"):

@@ -286,6 +286,8 @@ def test_gpu_overlay_changes_only_gpus_model_engine_limits_and_host():
             assert strip_auto(strip(da).pop("autoscaling_config", {})) == strip_auto(strip(db).pop("autoscaling_config", {}))
             assert {k: v for k, v in strip(da).items() if k != "autoscaling_config"} == \
                 {k: v for k, v in strip(db).items() if k != "autoscaling_config"}, "only the limits may differ"
+        if "model" in (a.get("args") or {}):  # the setup hook reads the model's weights early on a new node
+            assert b["runtime_env"]["env_vars"].pop("COLDSTART_EARLY_WEIGHTS") == sync.GPU_MODEL
         strip_args = lambda x: {k: v for k, v in x.items() if k not in ("args", "deployments")}  # noqa: E731
         assert strip_args(a) == strip_args(b)
         def other_args(x):

@@ -134,3 +134,49 @@ def test_the_collector_is_left_alone_when_turned_off_or_off_already():
     # someone else turned it off: it stays off, nothing is frozen
     out = _run(_GC.replace("before = gc.isenabled()", "gc.disable(); before = gc.isenabled()"), FREEZE="1")
     assert not out["before"] and not out["after"] and out["state"] == {} and out["freeze_count"] == 0
+
+
+_TRICKLE = """
+import json, sys, time
+from deployments.startup import early
+from weights import readahead
+path, wait = sys.argv[1], float(sys.argv[2])
+early.hook()
+early.hook()  # a second call starts nothing more
+running = bool(readahead._trickles)  # (the helpers the readahead module started in this process)
+deadline = time.time() + wait
+while readahead.is_cold(path) and time.time() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"running": running, "helpers": len(readahead._trickles), "cold_after": readahead.is_cold(path)}))
+"""
+
+
+def test_the_hook_starts_reading_cold_weights_it_is_pointed_at(tiny_packed, tmp_path):
+    """COLDSTART_EARLY_WEIGHTS: the hook starts the trickle of a packed model whose weights are not
+    in the page cache, which reads them all; where they are cached already, none."""
+    import shutil
+
+    from deployments.tools.doctor import drop_page_cache
+    from weights import readahead
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_packed, d)
+    drop_page_cache([d / "model.cst"])
+    if not readahead.is_cold(d):
+        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+
+    def run(wait: float, **env: str) -> dict:
+        r = subprocess.run([sys.executable, "-c", _TRICKLE, str(d), str(wait)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "COLDSTART_EARLY_IMPORT": "0", **env})
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    assert run(1.0, COLDSTART_EARLY_WEIGHTS="") == {"running": False, "helpers": 0, "cold_after": True}
+    assert run(120, COLDSTART_EARLY_WEIGHTS=str(d)) == {"running": True, "helpers": 1, "cold_after": False}
+    # cached now: the hook starts nothing
+    assert run(0, COLDSTART_EARLY_WEIGHTS=str(d)) == {"running": False, "helpers": 0, "cold_after": False}
+    try:
+        assert early.early_trickle({"COLDSTART_EARLY_WEIGHTS": str(tmp_path / "missing")}) is False
+    finally:
+        early._times.pop("trickle_at", None)

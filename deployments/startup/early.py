@@ -26,6 +26,12 @@ object into the collector's permanent generation (``gc.freeze()``: never walked 
 it back on. A replica that fails to start turns it back on without freezing. COLDSTART_PAUSE_GC=0
 leaves the collector on. This module and the replica's start (``deployments.server.start``) are
 the only code that starts side threads or touches the collector.
+
+Where COLDSTART_EARLY_WEIGHTS names the packed model and its weights are mostly not in the page
+cache (a new node), the hook also starts their trickle (``weights.readahead.trickle``: a helper
+process reading the file one piece at a time), which the replica's start would otherwise begin
+in its constructor, seconds later; the constructor finds it running and goes on with it, and the
+loader stops it when its own reads begin.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ def hook() -> None:
     goes on."""
     global _thread
     pause_gc()
+    early_trickle()
     if _thread is not None or not modules():
         return
     _times["hook_at"] = time.time()
@@ -69,6 +76,21 @@ def hook() -> None:
         pass
     _thread = threading.Thread(target=_imports, name="coldstart-early-import", daemon=True)
     _thread.start()
+
+
+def early_trickle(env: Mapping[str, str] | None = None) -> bool:
+    """Start the trickle of COLDSTART_EARLY_WEIGHTS's weights where they are mostly not in the page
+    cache (once per process: the readahead module keeps one helper per file); whether one runs now.
+    A missing or unreadable model starts nothing: the constructor reports it."""
+    path = envs.read("COLDSTART_EARLY_WEIGHTS", env)
+    if not path or "trickle_at" in _times:
+        return False
+    _times["trickle_at"] = time.time()
+    try:
+        from weights.readahead import is_cold, trickle
+        return is_cold(path) and trickle(path) is not None
+    except Exception:  # noqa: BLE001 - no early read: the constructor starts its own
+        return False
 
 
 def modules(env: Mapping[str, str] | None = None) -> tuple[str, ...]:

@@ -100,7 +100,8 @@ APP_IMPORT_PATH = "deployments.app:build_app"
 def derived_config(config_text: str, gpus: float | None = None, model: str | Path | None = None,
                    tp: int | None = None) -> str:
     """The serve config with ``num_gpus`` set for every deployment's replicas (``gpus``),
-    ``args.model`` set for every coldstart application (``model``), and ``args.tp`` with the
+    ``args.model`` set for every coldstart application (``model``, and COLDSTART_EARLY_WEIGHTS in
+    its runtime_env), and ``args.tp`` with the
     placement group it needs (``tp``: N bundles, each the replica's own resources; one node); the
     rest as it was."""
     import yaml
@@ -113,6 +114,9 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
     for app in ours:
         if model is not None:
             app["args"] = {**(app.get("args") or {}), "model": str(model)}
+            # the worker setup hook starts reading its weights on a node where they are not cached
+            env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+            env["COLDSTART_EARLY_WEIGHTS"] = str(model)
         if tp is not None:
             app["args"] = {**(app.get("args") or {}), "tp": tp}
     for app in apps:
