@@ -53,6 +53,9 @@ class AttnContext:
     fused: bool = False  # use deployments.kernels (CUDA with Triton)
     attention_kernel: bool = False  # decode attention through kernels.decode_attention too
     gemv: frozenset = frozenset()  # weight shapes (N, K) a single row multiplies with kernels.gemv
+    # a paged cache's index tensors of this forward, made by its first layer and used by every
+    # layer (the rows' slots, the written positions' blocks and offsets, the blocks read back)
+    paged_index: dict | None = None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnContext | None) -> torch.Tensor:
@@ -141,7 +144,13 @@ class Attention(nn.Module):
         cache, a gather through a paged one's table."""
         cache, i = ctx.cache, self.layer_idx
         if cache.paged:
-            return cache.read(i, torch.arange(B, device=ctx.positions.device), ctx.kv_len)
+            if ctx.paged_index is None:
+                ctx.paged_index = {}
+            at = ctx.paged_index
+            if "read" not in at:  # (one gather index for every layer)
+                at["slots"] = torch.arange(B, device=ctx.positions.device)
+                at["read"] = cache.table_rows(at["slots"], ctx.kv_len)
+            return cache.read(i, at["slots"], ctx.kv_len, blocks=at["read"])
         return cache.k[i][:B, :, : ctx.kv_len], cache.v[i][:B, :, : ctx.kv_len]
 
     def forward(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -192,15 +201,24 @@ class Attention(nn.Module):
         the cache holds (gathered). q, k, v: [B, heads, S, Dh]."""
         cache, i = ctx.cache, self.layer_idx
         B, S, dev = q.shape[0], q.shape[2], q.device
+        if ctx.paged_index is None:
+            ctx.paged_index = {}
+        at = ctx.paged_index
         if ctx.mode == "prefill":  # one prompt's chunk into slot, or several prompts' (row b into slots[b])
-            rows = ctx.slots if ctx.slots is not None else torch.tensor([ctx.slot], device=dev)
-            cache.write(i, rows, torch.arange(ctx.start, ctx.start + S, device=dev).expand(B, S), k, v)
+            if not at:
+                rows = ctx.slots if ctx.slots is not None else torch.tensor([ctx.slot], device=dev)
+                positions = torch.arange(ctx.start, ctx.start + S, device=dev).expand(B, S)
+                at.update(rows=rows, write=cache.locate(rows, positions),
+                          read=cache.table_rows(rows, ctx.start + S) if ctx.start else None)
+            cache.write(i, at["rows"], None, k, v, at=at["write"])
             if ctx.start == 0:
                 return self._sdpa(q, k, v, mask)
-            kc, vc = cache.read(i, rows, ctx.start + S)  # the cached prefix too
+            kc, vc = cache.read(i, at["rows"], ctx.start + S, blocks=at["read"])  # the cached prefix too
             return self._sdpa(q, kc, vc, mask)
         # decode: row b of the batch is cache slot b
-        cache.write(i, ctx.rows, ctx.positions.view(B, 1), k, v)
+        if "write" not in at:
+            at["write"] = cache.locate(ctx.rows, ctx.positions.view(B, 1))
+        cache.write(i, ctx.rows, None, k, v, at=at["write"])
         kc, vc = self._cached(ctx, B)
         return self._decode_attn(q, kc, vc, mask)
 

@@ -114,17 +114,25 @@ class PagedKVCache:
         return blocks.long(), positions % self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Keys and values [R, n_kv, S, Dh] of rows at ``positions`` [R, S] of ``slots`` [R]."""
-        blk, off = self.locate(slots, positions)
+              v: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Keys and values [R, n_kv, S, Dh] of rows at ``positions`` [R, S] of ``slots`` [R];
+        ``at``: their ``locate`` already (the same for every layer of one forward)."""
+        blk, off = at if at is not None else self.locate(slots, positions)
         self.k[layer][blk, :, off] = k.transpose(1, 2)  # indexed [R, S, n_kv, Dh]
         self.v[layer][blk, :, off] = v.transpose(1, 2)
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def table_rows(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """The blocks holding positions 0..length-1 of ``slots`` [R]: [R, blocks] (what ``read``
+        gathers through; the same for every layer of one forward)."""
+        return self.block_table[slots, : -(-length // self.block_size)].long()
+
+    def read(self, layer: int, slots: torch.Tensor, length: int,
+             blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0..length-1 of ``slots`` [R], gathered: keys and values [R, n_kv, length, Dh]
-        (a copy; the Triton decode attention reads through the table instead)."""
-        nb = -(-length // self.block_size)
-        blocks = self.block_table[slots, :nb].long()  # [R, nb]
+        (a copy; the Triton decode attention reads through the table instead). ``blocks``: their
+        ``table_rows`` already."""
+        blocks = self.table_rows(slots, length) if blocks is None else blocks  # [R, nb]
+        nb = blocks.shape[1]
 
         def gather(c: torch.Tensor) -> torch.Tensor:
             g = c[blocks]  # [R, nb, n_kv, bs, Dh]
