@@ -129,8 +129,12 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, de
     before = engine.stats()
     t0 = time.perf_counter()
     handles = [engine.submit(p, params) for p in prompts]
-    n = sum(len(h.result(timeout=600)[0]) for h in handles)
+    results = [h.result(timeout=600) for h in handles]
     wall = time.perf_counter() - t0
+    n = sum(len(ids) for ids, _, _ in results)
+    failed = [h.error for h, (_, _, reason) in zip(handles, results) if reason != "length"]
+    if failed:  # a figure with requests that did not run to their length measures nothing
+        raise RuntimeError(f"{len(failed)} of {len(handles)} requests did not finish with their length: {failed[:3]}")
     time.sleep(0.05)  # (the loop's last turn ends after the last request's)
     if work is not None:
         after = engine.stats()
