@@ -151,6 +151,8 @@ def write_report(res: dict, out: Path, command: str) -> None:
         "reconfigure, Ray's gc.collect(), the first health check and the controller's loop; "
         "runs without Ray's figure: of deploy -> warm).\n\n"
         + "\n".join(rows) + "\n\n" + "".join(notes) + f"Command: `{command}`\n")
+    if not runs:  # (a run of fresh-node starts alone: the table has them, the chart is of warm and cold)
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -288,3 +288,13 @@ def test_the_http_benchmark_sends_prompts_of_the_engine_runs_length(tiny_packed,
     texts = prompt_texts(tiny_packed, n, 12)
     assert [len(tok.encode(t)) for t in texts] == [n] * 12
     assert len({t.split(".")[0] for t in texts}) == 12
+
+
+def test_a_report_of_fresh_node_starts_alone_is_written(tmp_path):
+    """A run of the fresh-node stage alone (no warm or cold starts to chart) still writes its report."""
+    from bench.serve_report import write_report
+    res = {"fresh": {"minimal": _run(7.7, ray_and_process=3.9, imports=3.0),
+                     "coldstart": _run(16.4, ray_and_process=6.1, imports=1.0, engine=3.6, load=4.8)}}
+    write_report(res, tmp_path, "bench/serve.py --caches fresh")
+    assert json.loads((tmp_path / "coldstart-report.json").read_text())["fresh"]["coldstart"]
+    assert (tmp_path / "coldstart-report.md").is_file() and not (tmp_path / "coldstart-report.png").exists()
