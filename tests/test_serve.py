@@ -229,6 +229,43 @@ def test_autoscaling_up_under_load_never_routes_to_a_warming_replica_and_back(ra
     serve.delete(name)
 
 
+def test_a_replica_whose_cache_long_requests_fill_gets_a_second_one(ray_instance, tiny_packed):
+    """target_ongoing_requests = max_slots = 4, and four requests all the time: by Ray's own rule
+    one replica is enough. But these are long (~200-token prompts, 250 new tokens: 29 of the
+    replica's 39 paged-cache blocks each at their end), so its cache holds one to three of them at
+    once and the rest wait for blocks or are preempted: with serve_config.yaml's capacity policy its
+    reported share scales the target down, and Ray adds the second replica."""
+    name = "capacity"
+    engine = {"max_slots": 4, "max_seq_len": 512, "kv_cache": "paged", "kv_blocks": 40}  # 39 blocks: 624 positions
+    _deploy(name, tiny_packed, engine=engine, max_ongoing_requests=8,
+            autoscaling_config={
+                "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 4,
+                "upscale_delay_s": 1, "downscale_delay_s": 600, "metrics_interval_s": 0.5, "look_back_period_s": 2,
+                "policy": {"policy_function": "deployments.server.autoscale:capacity_policy"}})
+    assert _replicas(name) == 1
+    body = {"prompt": "The answer is forty-two. " * 18, "max_new_tokens": 250, "ignore_eos": True, "temperature": 0}
+    scaled: list[float] = []
+    stop_at = time.time() + 150
+
+    def worker() -> list[int]:
+        codes = []
+        while time.time() < stop_at and not scaled:
+            codes.append(_post(f"/{name}/generate", body, timeout=120).status_code)
+        return codes
+    with cf.ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(worker) for _ in range(4)]
+        try:
+            ratio = _wait(lambda: (r := httpx.get(f"{BASE}/{name}/stats", timeout=10).json()["capacity_ratio"]) < 1 and r,
+                          60, "the replica to report a share below 1", step=0.2)
+            _wait(lambda: _replicas(name) == 2, 120, "scale-up to 2 replicas")
+        finally:
+            scaled.append(time.time())
+        codes = [c for f in futs for c in f.result()]
+    assert 0 < ratio < 1
+    assert codes and set(codes) == {200}, codes
+    serve.delete(name)
+
+
 def test_unhealthy_replica_is_replaced_while_requests_succeed(ray_instance, tiny_packed):
     name = "heal"
     _deploy(name, tiny_packed, num_replicas=2)

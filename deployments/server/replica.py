@@ -115,13 +115,22 @@ class LLMServer:
         """What ``GET /stats`` answers: start-up milestones and phases, request counts, the engine."""
         from deployments import IMPORTED_AT
         from deployments.device import process_start_time
+        from deployments.server.autoscale import capacity_ratio
         from deployments.startup import early
         return {"warm": self.warm, "replica": self.replica_id, "model": self.model_name,
                 "process_started_at": process_start_time(), "imported_at": IMPORTED_AT,
                 "early_import": early.times(), "gc": early.gc_state(),
                 "constructor_started_at": self.started_at, "warm_at": self.warm_at,
-                "engine": self.engine.stats(), **self.metrics.snapshot(),
+                "engine": (engine := self.engine.stats()), **self.metrics.snapshot(),
+                "capacity_ratio": capacity_ratio(engine, self.engine.config.max_slots),
                 **({"ranks": self.ranks.describe()} if self.ranks is not None else {})}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics, every ``metrics_interval_s``: the share of its
+        slots this replica's KV cache holds now (``deployments.server.autoscale``, read by the
+        deployment's ``capacity_policy``)."""
+        from deployments.server.autoscale import CAPACITY, capacity_ratio
+        return {CAPACITY: capacity_ratio(self.engine.stats(), self.engine.config.max_slots)}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
