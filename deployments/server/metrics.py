@@ -54,6 +54,9 @@ class Metrics:
                 "preempted": m.Gauge("coldstart_kv_preemptions",
                                      description="Requests preempted for KV-cache blocks since the replica "
                                                  "started (computed again later): a cache too small for the load."),
+                "capacity": m.Gauge("coldstart_capacity_ratio",
+                                    description="The share of its slots the replica's KV cache holds at its running "
+                                                "requests' length (what the autoscaling policy scales its target by)."),
                 "retries": m.Gauge("coldstart_alloc_retries_ratio",
                                    description="Allocator retries (cudaMalloc after a cache flush) "
                                                "per allocation: fragmentation pressure."),
@@ -118,6 +121,11 @@ class Metrics:
         self._ray["kv"].set(float(cached), tags={"state": "cached"})
         self._ray["kv"].set(float(free - cached), tags={"state": "free"})
         self._ray["preempted"].set(float(blocks.counts["preemptions"]))
+
+    def sample_capacity(self, ratio: float) -> None:
+        """The share ``record_autoscaling_stats`` reports (``deployments.server.autoscale``)."""
+        if self._ray:
+            self._ray["capacity"].set(float(ratio))
 
     def snapshot(self) -> dict:
         with self.lock:

@@ -130,7 +130,9 @@ class LLMServer:
         slots this replica's KV cache holds now (``deployments.server.autoscale``, read by the
         deployment's ``capacity_policy``)."""
         from deployments.server.autoscale import CAPACITY, capacity_ratio
-        return {CAPACITY: capacity_ratio(self.engine.stats(), self.engine.config.max_slots)}
+        ratio = capacity_ratio(self.engine.stats(), self.engine.config.max_slots)
+        self.metrics.sample_capacity(ratio)
+        return {CAPACITY: ratio}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
