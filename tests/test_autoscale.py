@@ -87,6 +87,7 @@ def test_the_policy_is_rays_rule_with_the_target_scaled_by_the_replicas_share():
     assert capacity_policy(_context(32, {}, ["a", "b"]))[0] == pytest.approx(4)
     assert capacity_policy(_context(32, {"gone": 0.25}, ["a", "b"]))[0] == pytest.approx(4)
     # a share out of range is clipped: never a division by 0, never fewer than Ray's rule
-    assert capacity_policy(_context(32, {"a": 0.0, "b": 3.0}, ["a", "b"]))[0] == pytest.approx(32 / (8 * (MIN_RATIO + 1) / 2))
+    clipped = capacity_policy(_context(32, {"a": 0.0, "b": 3.0}, ["a", "b"]))[0]
+    assert clipped == pytest.approx(32 / (8 * (MIN_RATIO + 1) / 2))
     # no replica yet: what the controller targets already (its cold start is Ray's own)
     assert capacity_policy(_context(5, {}, []))[0] == 0

@@ -98,8 +98,9 @@ class ModelRunner:
         # rows a group can have, one shape for every group
         self.batched_prefill = bool(self.prefill_lengths) and getattr(model, "supports_batched_prefill", False)
         self._logit_rows = max(1, cfg.prefill_chunk // 16)
-        self.stats: dict[str, Any] = {"reserve_bytes": self.reserve_bytes, "capture_s": 0.0, "first_launch_s": 0.0, "first_prefill_s": 0.0,
-                                      "late_captures": {}, **({"paged_kernel_test_s": paged_test_s} if paged else {})}
+        self.stats: dict[str, Any] = {"reserve_bytes": self.reserve_bytes, "capture_s": 0.0, "first_launch_s": 0.0,
+                                      "first_prefill_s": 0.0, "late_captures": {},
+                                      **({"paged_kernel_test_s": paged_test_s} if paged else {})}
 
     def _static_cache(self) -> Any:
         cfg, model = self.cfg, self.model
