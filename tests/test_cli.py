@@ -106,6 +106,16 @@ def test_serve_model_points_every_coldstart_application_at_it():
         derived_config(other, model="/models/my-llama")
 
 
+def test_serve_model_with_the_gpu_config_reads_that_model_early():
+    """The README's GPU command (`coldstart serve --model M serve_config.gpu.yaml`): the copy points
+    args.model and the setup hook's early read at M, not at the config's mounted model."""
+    cfg = yaml.safe_load(derived_config((ROOT / "serve_config.gpu.yaml").read_text(), model="/models/my-llama"))
+    app = cfg["applications"][0]
+    assert app["args"]["model"] == "/models/my-llama"
+    assert app["runtime_env"]["env_vars"]["COLDSTART_EARLY_WEIGHTS"] == "/models/my-llama"
+    assert app["args"]["engine"]["kv_cache"] == "paged"  # the rest as the GPU config has it
+
+
 def test_serve_model_is_checked_before_ray_starts(tmp_path, tiny_packed):
     """A missing or corrupt packed model is a one-line error at once, not a replica failing later."""
     r = _cli("serve", "--model", str(tmp_path / "nothing"), cwd=tmp_path)
