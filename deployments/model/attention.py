@@ -5,7 +5,7 @@ read from and written to the KV cache (static slots or paged blocks) in the thre
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ class AttnContext:
     gemv: frozenset = frozenset()  # weight shapes (N, K) a single row multiplies with kernels.gemv
     # a paged cache's index tensors of this forward, made by its first layer and used by every
     # layer (the rows' slots, the written positions' blocks and offsets, the blocks read back)
-    paged_index: dict | None = None
+    paged_index: dict = field(default_factory=dict)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnContext | None) -> torch.Tensor:
@@ -144,8 +144,6 @@ class Attention(nn.Module):
         cache, a gather through a paged one's table."""
         cache, i = ctx.cache, self.layer_idx
         if cache.paged:
-            if ctx.paged_index is None:
-                ctx.paged_index = {}
             at = ctx.paged_index
             if "read" not in at:  # (one gather index for every layer)
                 at["slots"] = torch.arange(B, device=ctx.positions.device)
@@ -201,8 +199,6 @@ class Attention(nn.Module):
         the cache holds (gathered). q, k, v: [B, heads, S, Dh]."""
         cache, i = ctx.cache, self.layer_idx
         B, S, dev = q.shape[0], q.shape[2], q.device
-        if ctx.paged_index is None:
-            ctx.paged_index = {}
         at = ctx.paged_index
         if ctx.mode == "prefill":  # one prompt's chunk into slot, or several prompts' (row b into slots[b])
             if not at:
