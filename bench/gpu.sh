@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged paged-start profile
+#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -139,6 +139,31 @@ for stage in "$@"; do
                  --prefill-chunk $3 --concurrency 128 --profile --out "$out/profile-$1-$3.json" 2>&1 \
                  | grep -E "^(profile |tokens_per_s_b128 |  *[0-9/]+ +[0-9.]+ +[0-9.]+ +[0-9.]+)" | head -24 \
                  | sed "s/^/$1-$3 /"; done ;;
+    wide)    # a 128-row decode step's parts: the projections through cuBLAS, the paged attention at the
+             # engine benchmark's lengths (defaults and the attention sweep's configs)
+             python3 bench/kernel_sweep.py --only wide --out "$out/wide-sweep.json" 2>&1 | grep -E "^wide" ;;
+    lookahead|lookahead-http) # the engine's loop with each step launched before the last one's tokens
+             # are read, beside the loop before it (BASELINE: a plain checkout of the commit before it), with the
+             # paged engine of serve_config.gpu.yaml: the engine alone at 64 and 128 concurrent (two runs of
+             # each side, alternating; the first with its decode steps' device time against their wall time),
+             # or (lookahead-http) through Ray Serve's HTTP front, each side in its own Ray instance
+             E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
+             G="^(tokens_per_s_b(1|64|128)|work_b128|profile (tokens_per_s|wall_ms_per_step|decode_device_ms_per_step|decode_device_share|prefill_device_share)) "
+             r=0
+             if [ $stage = lookahead ]; then for run in 1 2; do for side in before after; do
+               d=$PWD; [ $side = before ] && d=$B
+               p=""; [ $run = 1 ] && p=--profile
+               log=$W/engine-$side-$run.log
+               (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency 1,64,128 $p \
+                 --out "$out/engine-$side-$run.json") > $log 2>&1 || { r=1; tail -20 $log; }
+               grep -E "$G" $log | sed "s/^/$side $run /"
+             done; done
+             else for side in before after; do
+               d=$PWD; [ $side = before ] && d=$B
+               (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/throughput.py --packed $W/packed --out "$out/http-$side" \
+                 --concurrency 64,128 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}') 2>&1 \
+                 | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/$side /" || r=1
+             done; fi; (exit $r) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }

@@ -6,7 +6,8 @@ GEMV (`deployments.kernels.ops._launch_gemv`, batch 1) for each projection shape
 Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
 where it is off; and the attention over a paged cache (block sizes 16 and 32, through a
-shuffled block table) beside the same keys in the static cache. Each figure is one CUDA
+shuffled block table) beside the same keys in the static cache; and a 128-row decode step's
+parts (``--only wide``). Each figure is one CUDA
 graph over 32 distinct weight matrices / KV caches (one per layer, so the L2 cache does not
 hold them), the best of 5 replays. Random fp16 data; nothing is loaded. Prints and writes
 the best block sizes.
@@ -205,10 +206,59 @@ def sweep_paged_attention(dtype: torch.dtype) -> dict:
     return out
 
 
+def sweep_wide(dtype: torch.dtype, B: int = 128) -> dict:
+    """Where a decode step of ``B`` rows spends its device time: each projection of the 7B at B
+    rows through cuBLAS (its layers' distinct weights), and the paged attention of B rows at
+    positions spread over 128..255 (a 128-token prompt's 128 new tokens, the engine benchmark's
+    load) through a shuffled block table of 16-position blocks, at the defaults and at each
+    config of the attention sweep; with the GB each reads and the rate."""
+    out: dict = {"rows": B, "gemm": {}}
+    total = 0.0
+    for name, N, K, copies in GEMV_SHAPES:
+        ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+        x = torch.randn(B, K, device="cuda", dtype=dtype)
+        ms = graph_ms(lambda: [F.linear(x, w) for w in ws])
+        gb = copies * N * K * ws[0].element_size() / 1e9
+        per_step = ms / copies * (1 if name == "lm_head" else LAYERS)
+        total += per_step
+        out["gemm"][name] = {"N": N, "K": K, "ms_per_step": per_step, "GBps": gb / ms * 1e3}
+        print(f"wide gemm {name:10s} {N:6d}x{K:<6d} {per_step:7.3f} ms/step {gb / ms * 1e3:6.0f} GB/s", flush=True)
+        ws.clear()
+        torch.cuda.empty_cache()
+    out["gemm_ms_per_step"] = total
+    H = n_kv = 32
+    Dh, bs, T = 128, 16, 256
+    pos = torch.tensor([128 + (128 * i) // B for i in range(B)], device="cuda")
+    nb = T // bs
+    table = (1 + torch.randperm(B * nb, device="cuda")).view(B, nb).to(torch.int32)
+    pages = [(torch.randn(1 + B * nb, n_kv, bs, Dh, device="cuda", dtype=dtype),
+              torch.randn(1 + B * nb, n_kv, bs, Dh, device="cuda", dtype=dtype)) for _ in range(LAYERS)]
+    q = torch.randn(B, H, Dh, device="cuda", dtype=dtype)
+    scale = Dh ** -0.5
+    read_gb = LAYERS * 2 * int((pos + 1).sum()) * n_kv * Dh * 2 / 1e9
+
+    def launch(k, v, c=()):
+        return ops._launch_decode_attention(q, k, v, pos, T, 0, scale, *c, block_table=table)
+
+    want = launch(*pages[0])
+    out["attention_read_gb"] = read_gb
+    out["attention_default_ms"] = graph_ms(lambda: [launch(k, v) for k, v in pages])
+    rows, best = try_configs(ATTN_CONFIGS, lambda c: dict(zip(("block_n", "warps", "target", "stages"), c)),
+                             lambda c: launch(*pages[0], c), lambda c: [launch(k, v, c) for k, v in pages], want)
+    out["attention"], out["attention_best"] = rows, best
+    print(f"wide attention {read_gb:.2f} GB: default {out['attention_default_ms']:.3f} ms "
+          f"({read_gb / out['attention_default_ms'] * 1e3:.0f} GB/s), best {best['block_n']}/{best['warps']}/"
+          f"{best['target']}/{best['stages']} {best['ms']:.3f} ms ({read_gb / best['ms'] * 1e3:.0f} GB/s); "
+          f"projections {total:.3f} ms", flush=True)
+    pages.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=["gemv", "attention", "paged"])
+    ap.add_argument("--only", choices=["gemv", "attention", "paged", "wide"])
     a = ap.parse_args()
     if not ops.available("cuda"):
         sys.exit("needs CUDA and Triton")
@@ -221,6 +271,8 @@ def main() -> None:
         res["attention"] = sweep_attention(torch.float16)
     if a.only in (None, "paged"):
         res["paged_attention"] = sweep_paged_attention(torch.float16)
+    if a.only in (None, "wide"):
+        res["wide"] = sweep_wide(torch.float16)
     res["seconds"] = time.perf_counter() - t0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

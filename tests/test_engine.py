@@ -282,6 +282,48 @@ def test_sample_gives_no_token_for_non_finite_rows():
     assert toks[5] == int(logits[5].argmax()) and toks[5] >= 4
 
 
+def test_the_next_step_is_launched_before_the_last_ones_tokens_are_read(engine):
+    """Each decode step's tokens are sampled on the device and read back only once the next
+    step is launched (the device never waits for the host between steps); the tokens are the
+    same as transformers' and the last step is read without a launch after it."""
+    eng, hf = engine
+    r, order = eng.runner, []
+    decode, to_host = r.decode, r.to_host
+
+    def launched(*a):
+        order.append("launch")
+        return decode(*a)
+
+    def copied(toks):
+        read = to_host(toks)
+
+        def wait():
+            order.append("read")
+            return read()
+        return wait
+
+    r.decode, r.to_host = launched, copied
+    ids, _, reason = eng.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, **GREEDY))
+    assert (ids, reason) == (hf_greedy(hf, PROMPTS[0], 10), "length")
+    # the first token comes from the prefill: nine steps, each read after the next one's launch
+    assert order == ["launch"] + ["launch", "read"] * 8 + ["read"]
+
+
+def test_a_step_feeds_its_tokens_to_the_next_and_the_host_fills_the_rest():
+    """The decode inputs: slots fed from the device keep their token, those the host staged
+    (a prompt's first token, padding) get the host's; a failed row's -1 is fed as a valid id."""
+    eng, _ = make_engine(start=False, max_slots=4)
+    r = eng.runner
+    r.feed(torch.tensor([7, 8, -1]), None)
+    r.feed(torch.tensor([9]), torch.tensor([3]))
+    assert r._inp[0].tolist() == [7, 8, 0, 9]
+    r._stage_inputs(4, [(0, None, 5), (1, 42, 6), (3, None, 2)])
+    msl = eng.config.max_seq_len
+    assert r._inp.tolist() == [[7, 42, 0, 9], [5, 6, msl - 1, 2], [1, 1, 0, 1]]
+    r._stage_inputs(2, [(0, 11, 1), (1, 12, 3)])  # every token from the host: one plain copy
+    assert r._inp[:, :2].tolist() == [[11, 12], [1, 3], [1, 1]]
+
+
 def test_device_error_kills_the_loop():
     eng, _ = make_engine()
 

@@ -7,11 +7,13 @@ One background thread owns the device. Each turn of its loop:
      not stall running sequences for more than one chunk (prompts that start at one position,
      0 or past one shared prefix, and pad to one length share one forward);
   3. the runner launches one decode step for every decoding sequence (a CUDA-graph replay on
-     CUDA);
-  4. while the device runs it, the scheduler turns the previous step's tokens into text and
-     streams it (a sequence a stop string ends there has its token of the running step dropped);
-  5. the step's tokens are sampled (the one wait on the device); sequences that hit a stop
-     token or their length retire at once.
+     CUDA), and its tokens are sampled on the device, where they are the next step's inputs;
+  4. the previous step's tokens are read back (the one wait on the device, while it runs this
+     step), turned into text and streamed; sequences that hit a stop token, a stop string or
+     their length end there, and their row of the step just launched is dropped.
+So the device always has the next step queued while the host reads one: its time between steps
+is not the host's (nor the time the loop thread waits for Python's lock under a busy server).
+A tensor-parallel model's ranks take each step's tokens before the next (they feed the host's).
 
 A failure inside one request fails only that request; a device error (or any error inside a
 batched forward) stops the loop, fails every request, and ``alive()`` turns False with the
@@ -32,6 +34,7 @@ from deployments.engine.blocks import BlockPool
 from deployments.engine.config import EngineConfig, prefill_lengths
 from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
 from deployments.engine.runner import ModelRunner, bucket
+from deployments.engine.sampling import tokens
 from deployments.engine.scheduler import NonFiniteLogits, Scheduler, Seq, is_device_error
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "NonFiniteLogits", "RequestHandle", "SamplingParams",
@@ -74,6 +77,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self._capture_when_idle = False  # capture_deferred() called
+        # a decode step whose tokens are sampled and not read back yet: (seqs, read them, dtype)
+        self._inflight: tuple[list[Seq], Any, torch.dtype] | None = None
+        # the next step launched before this one's tokens are read: not where other ranks mirror
+        # the runner's calls (their inputs are the tokens rank 0 sends)
+        self._ahead = channel is None
         self.error: BaseException | None = None
         # busy_s: the loop's time in turns that had requests (its idle waits left out)
         self._stats = {"steps": 0, "batched_prefills": 0, "busy_s": 0.0}
@@ -192,6 +200,7 @@ class Engine:
                 while not self._stop.is_set():
                     s.intake()
                     if s.idle():
+                        self._take_inflight()  # (a step of sequences cancelled since)
                         if self._capture_when_idle and self.runner.deferred:  # one size, then look again
                             self.runner.capture_late(self.runner.deferred[0], "idle")
                             continue
@@ -203,7 +212,6 @@ class Engine:
                     self._prefill_turn()
                     self._decode_step()
                     self._stats["busy_s"] += time.perf_counter() - t
-                s.emit_pending()
         except BaseException as e:  # noqa: BLE001 - the loop must record why it died
             log.exception("engine loop died")
             self.error = e
@@ -279,26 +287,50 @@ class Engine:
         s.prefilled(group, logits)
 
     def _decode_step(self) -> None:
-        s = self.scheduler
-        s.make_room()
-        seqs = list(s.decoding)
+        s, r = self.scheduler, self.runner
+        s.make_room(self._take_inflight)
+        seqs = [seq for seq in s.decoding if seq.runs_next()]
         if not seqs:
-            s.emit_pending()
+            self._take_inflight()
             return
         B = bucket(max(seq.slot for seq in seqs) + 1, self.config.graph_batch_sizes)
-        L = bucket(max(seq.pos for seq in seqs) + 1, self.runner.kv_lens)
-        logits = self.runner.decode(B, L, [(seq.slot, seq.last, seq.pos) for seq in seqs])
+        L = bucket(max(seq.pos for seq in seqs) + 1, r.kv_lens)
+        logits = r.decode(B, L, [(seq.slot, None if seq.ahead else seq.last, seq.pos) for seq in seqs])
         for seq in seqs:
             seq.pos += 1
         self._stats["steps"] += 1
-        s.emit_pending()  # the previous step's text, while the device works on this one
-        live = [seq for seq in seqs if seq.slot >= 0]  # a stop string may have ended some just now
-        if not live:
+        slots = [seq.slot for seq in seqs]
+        index = None
+        if slots == list(range(len(slots))):  # slots 0..R-1, padding rows after them
+            logits = logits[: len(slots)]
+        else:  # padding rows among them: pick the live ones
+            index = torch.tensor(slots, device=self.device)
+            logits = logits.index_select(0, index)
+        toks = s.sample_on_device(seqs, logits)
+        if toks is None:  # the batch's sampling failed: the rows one by one, in order after the last step's
+            self._take_inflight()
+            s.sample(seqs, logits)
             return
-        slots = [seq.slot for seq in live]
-        if slots != list(range(B)):  # some rows are padding or ended: pick the live ones
-            logits = logits.index_select(0, torch.tensor(slots, device=self.device))
-        s.sample(live, logits, defer=True)
+        r.feed(toks, index)
+        for seq in seqs:
+            seq.ahead += 1
+        last, self._inflight = self._inflight, (seqs, r.to_host(toks), logits.dtype)
+        if last is not None:
+            self._take(*last)  # while the device runs the step just launched
+        if not self._ahead:
+            self._take_inflight()
+
+    def _take_inflight(self) -> None:
+        """Read back the launched step's tokens, if any (waits for it), and stream them."""
+        if self._inflight is not None:
+            last, self._inflight = self._inflight, None
+            self._take(*last)
+
+    def _take(self, seqs: list[Seq], read: Any, dtype: torch.dtype) -> None:
+        toks = read()
+        for seq in seqs:
+            seq.ahead -= 1
+        self.scheduler.take(seqs, tokens(toks[: len(seqs)]), dtype)
 
 
 def iter_text(handle: RequestHandle) -> Iterator[str]:

@@ -77,9 +77,16 @@ class ModelRunner:
         # its kernels' paged variants, tested before any graph or key-length bound depends on them
         check = getattr(model, "check_paged_kernels", None) if paged else None
         paged_test_s = check(self.cache) if check is not None else 0.0
-        # decode inputs: rows = token, position, valid; one host->device copy per step
+        # decode inputs: rows = token, position, valid; one host->device copy per step. A slot's
+        # token may instead be the one its last step sampled on the device (``feed``).
+        pin = self.device.type == "cuda"
         self._inp = torch.zeros(3, cfg.max_slots, dtype=torch.int64, device=self.device)
-        self._stage = torch.zeros(3, cfg.max_slots, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._staged = torch.zeros(3, cfg.max_slots, dtype=torch.int64, device=self.device)
+        # host buffers, two of each, taken in turn: the engine launches a step before it reads the
+        # last one's tokens, so a buffer may still be in a queued copy when the next step is staged
+        self._stage = torch.zeros(2, 3, cfg.max_slots, dtype=torch.int64, pin_memory=pin)
+        self._out = torch.zeros(2, cfg.max_slots, dtype=torch.int64, pin_memory=pin)
+        self._staged_n = self._out_n = 0  # buffers used so far (their parity picks the next)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None  # the graphs' shared memory pool (made by the first capture)
         self.deferred: list[int] = []  # batch sizes whose graphs are not captured yet (lazy_graphs)
@@ -181,9 +188,10 @@ class ModelRunner:
         return self.model.prefill_batch(tokens, self.cache, slots, [len(p) for p in prompts],
                                         logit_rows=self._logit_rows, start=start)
 
-    def decode(self, B: int, L: int, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+    def decode(self, B: int, L: int, rows: list[tuple[int, int | None, int]]) -> torch.Tensor:
         """One decode step over slots 0..B-1 reading keys up to ``L``; ``rows``: (slot, token,
-        position) of each live sequence. Launched, not waited for: logits [B, V]."""
+        position) of each live sequence, token None where ``feed`` left it on the device.
+        Launched, not waited for: logits [B, V]."""
         if self.use_graphs and B in self.deferred:  # (stages padding: before this step's inputs)
             self.capture_late(B, "step")
         self._stage_inputs(B, rows)
@@ -196,15 +204,52 @@ class ModelRunner:
     def zero_slot(self, slot: int, upto: int) -> None:
         self.cache.zero_slot(slot, upto)
 
-    def _stage_inputs(self, B: int, rows: list[tuple[int, int, int]]) -> None:
+    def feed(self, toks: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """A step's sampled tokens ([R] on the device, -1 where not finite) become the next
+        step's inputs of their slots (``slots`` [R]; None: slots 0..R-1) without the host."""
+        toks = toks.clamp_min(0)  # (a failed row's next step is dropped; its id must still be one)
+        if slots is None:
+            self._inp[0, : toks.shape[0]].copy_(toks)
+        else:
+            self._inp[0].index_copy_(0, slots, toks)
+
+    def to_host(self, toks: torch.Tensor) -> Any:
+        """Start copying ``toks`` ([R] int64 on the device) to the host; returns a function that
+        waits for that copy alone (not for later work on the stream) and gives the list."""
+        if self.device.type != "cuda":
+            return toks.tolist
+        self._out_n += 1
+        buf = self._out[self._out_n % 2, : toks.shape[0]]
+        buf.copy_(toks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list[int]:
+            done.synchronize()
+            return buf.tolist()
+        return wait
+
+    def _stage_inputs(self, B: int, rows: list[tuple[int, int | None, int]]) -> None:
         # Padding rows: token 0 at the last cache position, which no live sequence ever
         # reaches (prompt + max_new_tokens <= max_seq_len and the last token is never fed).
-        # One host tensor and one copy per step: per-element tensor writes cost ~us each.
+        # One host tensor and one copy per step: per-element tensor writes cost ~us each. A row
+        # whose token is on the device already (None) stages -1 and keeps it.
         staged = [[0] * B, [self.cfg.max_seq_len - 1] * B, [0] * B]
+        fed = False
         for slot, token, pos in rows:
+            if token is None:
+                token, fed = -1, True
             staged[0][slot], staged[1][slot], staged[2][slot] = token, pos, 1
-        self._stage[:, :B] = torch.tensor(staged, dtype=torch.int64)
-        self._inp[:, :B].copy_(self._stage[:, :B], non_blocking=True)
+        self._staged_n += 1
+        stage = self._stage[self._staged_n % 2, :, :B]
+        stage.copy_(torch.tensor(staged, dtype=torch.int64))
+        if not fed:
+            self._inp[:, :B].copy_(stage, non_blocking=True)
+            return
+        dev = self._staged[:, :B]
+        dev.copy_(stage, non_blocking=True)
+        self._inp[1:, :B].copy_(dev[1:])
+        self._inp[0, :B].copy_(torch.where(dev[0] >= 0, dev[0], self._inp[0, :B]))
 
     def _decode_eager(self, B: int, L: int) -> torch.Tensor:
         inp = self._inp[:, :B]
@@ -322,6 +367,7 @@ class ModelRunner:
         recorded in stats ``late_captures`` as {B: [ms, why]}. Out of device memory, ``B`` stays
         eager (logged) instead of failing the loop."""
         t = time.perf_counter()
+        tokens = self._inp[0].clone()  # the tokens ``feed`` left there (the first launch stages padding)
         with self.capture_lock:
             try:
                 self._first_launches([B])
@@ -333,6 +379,7 @@ class ModelRunner:
                 self._eager_sizes.add(B)
                 log.warning("no CUDA graph for batch size %d (%s): its steps run eagerly", B, e)
             finally:
+                self._inp[0].copy_(tokens)
                 # only now: graphs_deferred counts the sizes whose capture has not ended
                 self.stats["late_captures"][B] = [round((time.perf_counter() - t) * 1e3, 2), why]
                 self.deferred.remove(B)

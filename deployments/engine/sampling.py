@@ -33,12 +33,29 @@ def sample(
     Returns the sampled token ids, None for a row whose largest logit is not finite (one
     device->host sync).
     """
+    return tokens(sample_on_device(logits, temperature, top_p, top_k, generators).tolist())
+
+
+def tokens(ids: list[int]) -> list[int | None]:
+    """``sample_on_device``'s ids on the host: None where a row's logits were not finite."""
+    return [None if t < 0 else t for t in ids]
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_p: Sequence[float],
+    top_k: Sequence[int],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """``sample`` without waiting for the device: the ids as an int64 tensor [R] on logits'
+    device, -1 for a row whose largest logit is not finite."""
     R, V = logits.shape
     finite = torch.isfinite(logits.amax(dim=-1))  # [R]; amax propagates NaN
     out = logits.argmax(dim=-1)  # [R]; greedy rows are done
     rows = [i for i in range(R) if temperature[i] >= GREEDY_BELOW]
     if not rows:
-        return _tokens(out, finite)
+        return torch.where(finite, out, -1)
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
     x = logits.index_select(0, idx).float()  # [r, V]
@@ -61,8 +78,4 @@ def sample(
     for j, i in enumerate(rows):
         noise[j].exponential_(generator=generators[i])
     out[idx] = (probs / noise).argmax(dim=-1)
-    return _tokens(out, finite)
-
-
-def _tokens(out: torch.Tensor, finite: torch.Tensor) -> list[int | None]:
-    return [None if t < 0 else t for t in torch.where(finite, out, -1).tolist()]
+    return torch.where(finite, out, -1)

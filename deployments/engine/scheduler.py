@@ -4,9 +4,10 @@ It owns the requests' queues and the KV-cache slots: new submissions and cancell
 taken at a step boundary (``intake``); waiting requests get free slots, lowest first, so the
 live slots stay packed at the front and the decode batch stays small (``admit``); prompts
 whose rest starts at one position (0, or past one shared prefix) and pads to one length share
-one forward (``prefill_group``). After the device has run a step it samples each sequence's
-token, retires sequences that hit a stop token or their length at once, and turns tokens into
-text, checking stop strings (``sample``, ``emit_pending``).
+one forward (``prefill_group``). A decode step's tokens are sampled on the device and read
+back one step later (``take``: the engine launches the next step first): sequences that hit a
+stop token, a stop string or their length end there, and their row of the step launched
+meanwhile is dropped. A prefill's first tokens are sampled and streamed at once (``sample``).
 Only the engine's loop thread calls it, but for ``add``.
 
 A failure inside one request's sampling or detokenizing fails only that request; a device
@@ -26,7 +27,7 @@ import torch
 
 from deployments.engine.blocks import BlockPool
 from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState, delivered_together
-from deployments.engine.sampling import sample
+from deployments.engine.sampling import sample, sample_on_device
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Seq:
     """Engine-side state of one request (touched only by the loop thread)."""
 
     __slots__ = ("handle", "prompt", "params", "slot", "blocks", "prompt_keys", "admitted", "prefilled", "pos",
-                 "written", "last", "n_gen", "out", "text", "gen", "stops")
+                 "written", "last", "ahead", "n_gen", "out", "text", "gen", "stops")
 
     def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
         self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
@@ -62,9 +63,14 @@ class Seq:
         self.pos = 0  # next cache position to write (tokens in the cache)
         self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
         self.last = -1  # last sampled token, fed at `pos` by the next decode step
+        self.ahead = 0  # its tokens sampled on the device and not taken yet (then `last` is not its last)
         self.n_gen = 0
         self.out: list[int] = []  # the tokens it generated (a preempted sequence is prefilled again over them)
         self.gen: torch.Generator | None = None
+
+    def runs_next(self) -> bool:
+        """Whether the next decode step has a row for it: not once its last token is sampled."""
+        return self.n_gen + self.ahead < self.params.max_new_tokens
 
 
 class Scheduler:
@@ -88,7 +94,6 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
         self.decoding: list[Seq] = []
-        self.pending: list[tuple[Seq, int, str | None]] = []  # sampled, text not emitted yet
         self.lock = threading.Lock()
         self.counts = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0}
         self._admissions = 0
@@ -111,7 +116,7 @@ class Scheduler:
             self.finish(s, "cancelled")
 
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.decoding or self.pending)
+        return not (self.waiting or self.prefilling or self.decoding)
 
     def admit(self) -> None:
         """Waiting requests take free slots (and, paged, their blocks) in order. Paged with prefix
@@ -151,17 +156,24 @@ class Scheduler:
                 s.handle.admitted_at = time.perf_counter()
             self.prefilling.append(s)
 
-    def make_room(self) -> None:
-        """A paged cache: each decoding sequence whose next position lies past its blocks takes
-        one more, oldest sequences first; where none is free, the sequence admitted last is
-        preempted (``preempt``), until one is, or until it is the sequence itself."""
+    def make_room(self, drain: Callable[[], None]) -> None:
+        """A paged cache: each sequence the next decode step runs whose next position lies past
+        its blocks takes one more, oldest sequences first; where none is free, the tokens still
+        on the device are taken first (``drain``: a preempted sequence is prefilled again over
+        every token it has, and sequences that ended give their blocks back), then the sequence
+        admitted last is preempted (``preempt``), until one is, or until it is the sequence itself."""
         if self.pool is None:
             return
-        short = [s for s in self.decoding if self.pool.need(s.pos + 1) > len(s.blocks)]  # a few per step
-        for s in sorted(short, key=lambda q: q.admitted):
-            while s.slot >= 0 and self.pool.need(s.pos + 1) > len(s.blocks):
+        short = [s for s in self.decoding if s.runs_next() and self.pool.need(s.pos + 1) > len(s.blocks)]
+        drained = False
+        for s in sorted(short, key=lambda q: q.admitted):  # (a few per step)
+            while s.slot >= 0 and s.runs_next() and self.pool.need(s.pos + 1) > len(s.blocks):
                 got = self.pool.grow()
                 if got is None:
+                    if not drained:
+                        drained = True
+                        drain()
+                        continue
                     self.preempt(max(self.prefilling + self.decoding, key=lambda q: q.admitted))
                     continue
                 block, clear = got
@@ -249,34 +261,52 @@ class Scheduler:
             seqs = [seqs[j] for j in rows]
             logits = logits[rows]
         if seqs:
-            self.sample(seqs, logits, defer=False)
+            self.sample(seqs, logits)
 
-    def sample(self, seqs: list[Seq], logits: torch.Tensor, defer: bool) -> None:
-        """Sample each sequence's next token from logits [R, V] (row j for seqs[j]); ``defer``:
-        keep its text for ``emit_pending`` (which runs while the device works on the next step)."""
-        args = ([s.params.temperature for s in seqs], [s.params.top_p for s in seqs], [s.params.top_k for s in seqs])
+    @staticmethod
+    def _params(seqs: list[Seq]) -> tuple[list, list, list]:
+        return [s.params.temperature for s in seqs], [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
+
+    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        """Sample each sequence's next token from logits [R, V] (row j for seqs[j]) and stream it
+        now (waits for the device)."""
+        args = self._params(seqs)
         try:
             toks: list[int | None] = sample(logits, *args, [s.gen for s in seqs])
         except Exception as e:
             if is_device_error(e):
                 raise
             toks = self._sample_one_by_one(seqs, logits, args)
-        for s, tok in zip(seqs, toks):
-            if tok is None:
-                if not s.handle.done and s.slot >= 0:  # (None from a failed row: finished already)
+        self.take(seqs, toks, logits.dtype)
+
+    def sample_on_device(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | None:
+        """``sample`` left on the device: the tokens [R] (-1: not finite), for ``take`` once
+        read back; None where sampling the batch failed (``sample`` row by row then finds the
+        rows at fault)."""
+        try:
+            return sample_on_device(logits, *self._params(seqs), [s.gen for s in seqs])
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            log.warning("sampling a decode step failed (%s): its rows one by one", e)
+            return None
+
+    def take(self, seqs: list[Seq], toks: list[int | None], dtype: torch.dtype) -> None:
+        """A step's tokens (row j for seqs[j]; None: its logits were not finite) join their
+        sequences and stream, in one hand-over per consumer; a sequence that ended meanwhile
+        (a stop, its length, a cancel) drops its token."""
+        with delivered_together():
+            for s, tok in zip(seqs, toks):
+                if s.handle.done or s.slot < 0:
+                    continue
+                if tok is None:
                     log.error("request %d: non-finite logits at generated token %d", s.handle.id, s.n_gen + 1)
                     self.finish(s, "error", NonFiniteLogits(
                         f"the model's logits were not finite (NaN or inf) at generated token {s.n_gen + 1}: "
-                        f"it overflowed its dtype ({logits.dtype}) on this prompt; a float16 checkpoint "
+                        f"it overflowed its dtype ({dtype}) on this prompt; a float16 checkpoint "
                         f"may need packing as bfloat16 (coldstart pack --dtype bfloat16)"))
-                continue
-            reason = self._take(s, tok)
-            if defer:
-                if reason is not None:  # decided now: the next step must not run this sequence
-                    self._retire(s)
-                self.pending.append((s, tok, reason))
-            else:
-                self._emit_safely(s, tok, reason)
+                    continue
+                self._emit_safely(s, tok, self._take(s, tok))
 
     def _sample_one_by_one(self, seqs: list[Seq], logits: torch.Tensor, args: tuple) -> list[int | None]:
         """Find the row at fault: sample each on its own, failing only the bad ones (None)."""
@@ -303,13 +333,6 @@ class Scheduler:
         if tok in s.stops:
             return "stop"
         return "length" if s.n_gen >= s.params.max_new_tokens else None
-
-    def emit_pending(self) -> None:
-        pending, self.pending = self.pending, []
-        with delivered_together():  # one hand-over per consumer's event loop, not one per request
-            for s, tok, reason in pending:
-                if not s.handle.done:  # not cancelled or failed since it was sampled
-                    self._emit_safely(s, tok, reason)
 
     def _emit_safely(self, s: Seq, tok: int, reason: str | None) -> None:
         try:
@@ -368,9 +391,7 @@ class Scheduler:
         """End every request not finished yet (the loop stopped or died)."""
         with self.lock:
             pending = list(self.inbox) + list(self.waiting) + self.prefilling + self.decoding
-            pending += [s for s, _, _ in self.pending if s not in pending]
             self.inbox.clear()
-        self.pending = []
         self.waiting.clear()
         for s in pending:
             if not s.handle.done:
