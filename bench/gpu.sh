@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide
+#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -139,6 +139,16 @@ for stage in "$@"; do
                  --prefill-chunk $3 --concurrency 128 --profile --out "$out/profile-$1-$3.json" 2>&1 \
                  | grep -E "^(profile |tokens_per_s_b128 |  *[0-9/]+ +[0-9.]+ +[0-9.]+ +[0-9.]+)" | head -24 \
                  | sed "s/^/$1-$3 /"; done ;;
+    http-options) # the paged engine of serve_config.gpu.yaml alone, then through Ray Serve's HTTP front with
+             # Ray Serve's defaults and with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (its replicas' own HTTP servers, user
+             # code on the replica's event loop, request logs buffered), each in its own Ray instance
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
+               --prefill-chunk 2048 --concurrency 64,128 --out "$out/engine-paged.json" 2>&1 \
+               | grep -E "^(tokens_per_s_b(64|128)|work_b128) " | sed 's/^/engine /'
+             for env in "" RAY_SERVE_THROUGHPUT_OPTIMIZED=1; do
+               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
+                 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
+                 | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
     wide)    # a 128-row decode step's parts: the projections through cuBLAS, the paged attention at the
              # engine benchmark's lengths (defaults and the attention sweep's configs)
              python3 bench/kernel_sweep.py --only wide --out "$out/wide-sweep.json" 2>&1 | grep -E "^wide" ;;

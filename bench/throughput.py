@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -119,7 +120,8 @@ def main() -> None:
                     help="each concurrency's rounds streamed as well (answers read line by line)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                    help="an environment variable for the replica (repeatable); the result file is named after them")
+                    help="an environment variable for the replica and Ray's processes (repeatable); the result file is "
+                         "named after them")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args()
     import ray
@@ -129,6 +131,7 @@ def main() -> None:
     from deployments.app import LLMDeployment
     packed = Path(a.packed)
     extra = dict(e.split("=", 1) for e in a.env)
+    os.environ.update(extra)  # and Ray's own processes (Serve's proxy and controller) inherit them
     ray.init(runtime_env={"env_vars": {**ENV, **CONFIG_ENV, **extra}}, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     most = max(a.concurrency)
