@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options
+#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options capacity
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -149,6 +149,12 @@ for stage in "$@"; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
                  --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
                  | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
+    capacity) # what the capacity policy reads on a GPU: the paged replica of serve_config.gpu.yaml through
+             # Ray Serve's HTTP front, 128 requests of 3,000-token prompts at once (more than its cache holds),
+             # its /stats sampled every 0.5 s (capacity share, running, waiting, free blocks)
+             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 1 --prompt-len 3000 \
+               --sample-s 0.5 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' \
+               2>&1 | grep -E "concurrent:" ;;
     wide)    # a 128-row decode step's parts: the projections through cuBLAS, the paged attention at the
              # engine benchmark's lengths (defaults and the attention sweep's configs)
              python3 bench/kernel_sweep.py --only wide --out "$out/wide-sweep.json" 2>&1 | grep -E "^wide" ;;

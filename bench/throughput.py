@@ -57,11 +57,30 @@ def prompt_texts(packed: Path, n: int, count: int) -> list[str]:
 _SENT = itertools.count()  # every request's number, over all bursts
 
 
-async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = False) -> dict:
+SAMPLED = ("capacity_ratio", "running", "waiting", "kv_blocks_free")
+
+
+async def sample_stats(base: str, every_s: float, into: list) -> None:
+    """The replica's ``/stats`` every ``every_s`` until cancelled (over a connection of its own):
+    its capacity share (what its autoscaling policy reads), running and waiting sequences and free
+    KV blocks (``SAMPLED``)."""
+    import httpx
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=60) as client:
+        while True:
+            st = (await client.get(f"{base}/stats")).json()
+            into.append({"t": round(time.perf_counter() - t0, 3), "capacity_ratio": st.get("capacity_ratio"),
+                         **{k: st["engine"].get(k) for k in SAMPLED[1:]}})
+            await asyncio.sleep(every_s)
+
+
+async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = False, sample_s: float = 0) -> dict:
     """``c`` concurrent requests: wall seconds, completion tokens, failures, and where a request's
     time went (the median of its wait at the client less its time in the engine, the
     ``x-coldstart-engine-s`` header: the HTTP path's share). ``stream``: each answer streamed,
-    a line per chunk, read as it comes (its tokens counted from the lines; no header then)."""
+    a line per chunk, read as it comes (its tokens counted from the lines; no header then).
+    ``sample_s``: the replica's ``/stats`` sampled that often meanwhile (``sample_stats``), with
+    the least capacity share it reported."""
     import httpx
     c = len(texts)
     bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
@@ -87,16 +106,24 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
                     chunk = json.loads(line)
                     tokens, reason = tokens + len(chunk["token_ids"]), chunk["finish_reason"]
         return None if reason in (None, "error") else {"s": time.perf_counter() - t, "tokens": tokens}
+    samples: list = []
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
+        sampler = (asyncio.create_task(sample_stats(url.rsplit("/", 1)[0], sample_s, samples))
+                   if sample_s else None)
         rs = await asyncio.gather(*(one(client, b) for b in bodies), return_exceptions=True)
         wall = time.perf_counter() - t0
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
     ok = [r for r in rs if isinstance(r, dict)]
     outside = [r["outside_s"] for r in ok if r.get("outside_s") is not None]
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in ok), "failed": c - len(ok),
             "prompt_tokens": sorted({r["prompt_tokens"] for r in ok if "prompt_tokens" in r}),
             "request_s_median": statistics.median(r["s"] for r in ok) if ok else None,
-            "outside_engine_s_median": statistics.median(outside) if outside else None}
+            "outside_engine_s_median": statistics.median(outside) if outside else None,
+            **({"stats_samples": samples, "capacity_ratio_min": min(x["capacity_ratio"] for x in samples)}
+               if samples else {})}
 
 
 def engine_work(base: str) -> dict:
@@ -119,6 +146,9 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true",
                     help="each concurrency's rounds streamed as well (answers read line by line)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
+    ap.add_argument("--sample-s", type=float, default=0, metavar="S",
+                    help="sample the replica's /stats every S seconds during each burst (its capacity share, "
+                         "running and waiting sequences, free KV blocks)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the replica and Ray's processes (repeatable); the result file is "
                          "named after them")
@@ -150,7 +180,7 @@ def main() -> None:
                 for _ in range(a.rounds):
                     texts = prompt_texts(packed, a.prompt_len, c)
                     before = engine_work(f"{BASE}/tput")
-                    r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream"))
+                    r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream", sample_s=a.sample_s))
                     after = engine_work(f"{BASE}/tput")
                     # the engine's share of the burst: its steps, shared prefills and busy time
                     r["engine"] = {k: after[k] - before[k] for k in after}
@@ -161,8 +191,10 @@ def main() -> None:
                           f"tokens/s ({r['tokens']} tokens in {r['wall_s']:.2f} s, {r['failed']} failed); engine busy "
                           f"{r['engine']['busy_s']:.2f} s, {r['engine']['steps']} steps, "
                           f"{r['engine']['batched_prefills']} shared prefills; a request {r['request_s_median']:.2f} s"
-                          + (f", {outside:.3f} s of it outside the engine (medians)" if outside is not None else ""),
-                          flush=True)
+                          + (f", {outside:.3f} s of it outside the engine (medians)" if outside is not None else "")
+                          + (f"; capacity share at least {r['capacity_ratio_min']:.3f}, at most "
+                             f"{max(x['running'] for x in r['stats_samples'])} running"
+                             if "capacity_ratio_min" in r else ""), flush=True)
                 res["runs" if mode == "plain" else "runs_stream"][c] = runs
         import httpx
         res["replica_engine"] = httpx.get(f"{BASE}/tput/stats", timeout=30).json()["engine"]
@@ -175,7 +207,8 @@ def main() -> None:
     res["command"] = "PYTHONPATH=$PWD python bench/throughput.py " + " ".join(sys.argv[1:])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "-".join(["throughput", a.engine.get("kv_cache", "static"), *(f"{k}{v}" for k, v in extra.items())])
+    name = "-".join(["throughput", a.engine.get("kv_cache", "static"), *(f"{k}{v}" for k, v in extra.items()),
+                     *([f"prompt{a.prompt_len}"] if a.prompt_len != 128 else [])])
     name = name.replace("COLDSTART_", "").lower() + ".json"
     (out / name).write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
