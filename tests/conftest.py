@@ -35,6 +35,23 @@ def tiny_packed(tiny_hf, tmp_path_factory) -> Path:
     return pack(tiny_hf, tmp_path_factory.mktemp("packed") / "tiny", PackOptions(progress=False))
 
 
+@pytest.fixture
+def cold_packed(tiny_packed, tmp_path) -> Path:
+    """A copy of the tiny packed model whose weights are not in the page cache (skipped where the
+    filesystem keeps the pages despite POSIX_FADV_DONTNEED)."""
+    import shutil
+
+    from deployments.tools.doctor import drop_page_cache
+    from weights import readahead
+
+    d = tmp_path / "cold"
+    shutil.copytree(tiny_packed, d)
+    drop_page_cache([d / "model.cst"])
+    if not readahead.is_cold(d):
+        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    return d
+
+
 _ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
        torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

@@ -151,19 +151,10 @@ print(json.dumps({"running": running, "helpers": len(readahead._trickles), "cold
 """
 
 
-def test_the_hook_starts_reading_cold_weights_it_is_pointed_at(tiny_packed, tmp_path):
+def test_the_hook_starts_reading_cold_weights_it_is_pointed_at(cold_packed, tmp_path):
     """COLDSTART_EARLY_WEIGHTS: the hook starts the trickle of a packed model whose weights are not
     in the page cache, which reads them all; where they are cached already, none."""
-    import shutil
-
-    from deployments.tools.doctor import drop_page_cache
-    from weights import readahead
-
-    d = tmp_path / "m"
-    shutil.copytree(tiny_packed, d)
-    drop_page_cache([d / "model.cst"])
-    if not readahead.is_cold(d):
-        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    d = cold_packed
 
     def run(wait: float, **env: str) -> dict:
         r = subprocess.run([sys.executable, "-c", _TRICKLE, str(d), str(wait)], cwd=ROOT, capture_output=True,

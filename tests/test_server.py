@@ -55,21 +55,13 @@ def test_cold_replica_answers_503_and_fails_health(tiny_packed):
         s.shutdown()
 
 
-def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed, tmp_path):
+def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(cold_packed):
     """Before its imports, a GPU replica whose weights are not in the page cache starts
     reading them one piece at a time; not on the CPU, not with load.trickle false, not
     when they are cached already."""
-    import shutil
-
-    from deployments.tools.doctor import drop_page_cache
     from weights import readahead
 
-    d = tmp_path / "m"
-    shutil.copytree(tiny_packed, d)
-    drop_page_cache([d / "model.cst"])
-    if not readahead.is_cold(d):
-        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
-
+    d = cold_packed
     assert _start_trickle(d, False, LoadOptions()) is False
     assert _start_trickle(d, True, LoadOptions(trickle=False)) is False
     assert _start_trickle(d, True, LoadOptions(cold_direct_io=True)) is False
@@ -83,17 +75,10 @@ def test_a_gpu_replica_trickles_cold_weights_from_its_first_instant(tiny_packed,
     assert readahead.stop_trickle(d) is False
 
 
-def test_the_trickle_reads_pieces_of_the_size_asked(tiny_packed, tmp_path):
-    import shutil
-
-    from deployments.tools.doctor import drop_page_cache
+def test_the_trickle_reads_pieces_of_the_size_asked(cold_packed):
     from weights import readahead
 
-    d = tmp_path / "m"
-    shutil.copytree(tiny_packed, d)
-    drop_page_cache([d / "model.cst"])
-    if not readahead.is_cold(d):
-        pytest.skip("this filesystem kept the pages despite POSIX_FADV_DONTNEED")
+    d = cold_packed
     assert _start_trickle(d, True, LoadOptions(trickle_read_bytes=4 << 20)) is True
     helper = readahead.trickle(d)
     assert helper.args[-2] == str(4 << 20)  # (the helper's argv: code, file, piece, limit)
