@@ -3,7 +3,7 @@
 #   bash bench/gpu.sh OUT STAGE...
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options capacity
+#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options http-clients capacity
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -149,6 +149,15 @@ for stage in "$@"; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
                  --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
                  | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
+    http-clients) # http-options at 128 concurrent with the requests sent by 8 client processes from one instant
+             # (bench/throughput.py --clients 8): Ray Serve's throughput-optimized mode first, then its defaults
+             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
+               --prefill-chunk 2048 --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
+               | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
+             for env in RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ""; do
+               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 2 --clients 8 \
+                 ${env:+--env $env} --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' \
+                 2>&1 | grep -E "concurrent:" | sed "s/^/http${env:+ $env} /"; done ;;
     capacity) # what the capacity policy reads on a GPU: the paged replica of serve_config.gpu.yaml through
              # Ray Serve's HTTP front, 128 requests of 3,000-token prompts at once (more than its cache holds),
              # its /stats sampled every 0.5 s (capacity share, running, waiting, free blocks)

@@ -4,11 +4,12 @@
         --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096}' --concurrency 64,128 --out OUT
 
 Deploys one replica of the application (one GPU, serve_config.yaml's warm-up) with the given
-`args.engine`, then for each concurrency C sends C `/generate` requests at once (prompts of
+`args.engine`, then for each concurrency C sends C `/generate` requests at once, shared out over
+--clients processes that all send from one instant (prompts of
 --prompt-len tokens as the replica counts them, each begun with its own number so that no two
 requests of the run share a prefix: the paged cache's prefix reuse stays out of the figure, as in
 the engine's random prompts; --new-tokens greedy tokens each, end of sequence ignored) and times
-them from the first send to the last answer: total completion
+them from that instant to the last answer: total completion
 tokens / wall seconds, the figure `bench/engine.py --concurrency` gives for the engine alone
 (run it in the same session: the ratio is what counts on a shared host). Each concurrency runs
 --rounds times; the median counts. Beside each burst: the engine's steps, shared prefills and
@@ -30,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -74,18 +76,11 @@ async def sample_stats(base: str, every_s: float, into: list) -> None:
             await asyncio.sleep(every_s)
 
 
-async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = False, sample_s: float = 0) -> dict:
-    """``c`` concurrent requests: wall seconds, completion tokens, failures, and where a request's
-    time went (the median of its wait at the client less its time in the engine, the
-    ``x-coldstart-engine-s`` header: the HTTP path's share). ``stream``: each answer streamed,
-    a line per chunk, read as it comes (its tokens counted from the lines; no header then).
-    ``sample_s``: the replica's ``/stats`` sampled that often meanwhile (``sample_stats``), with
-    the least capacity share it reported."""
+async def _send(url: str, bodies: list[dict], stream: bool, start_at: float) -> list:
+    """Every request of ``bodies`` at once from ``start_at`` (``time.time()``), over one client:
+    each one's record (None or an exception where it failed), its end an absolute time."""
     import httpx
-    c = len(texts)
-    bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
-               **({"stream": True} if stream else {})} for t in texts]
-    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
 
     async def one(client: httpx.AsyncClient, body: dict) -> dict | None:
         t = time.perf_counter()
@@ -94,9 +89,10 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
             if r.status_code != 200:
                 return None
             engine_s = r.headers.get("x-coldstart-engine-s")
-            return {"s": time.perf_counter() - t, "tokens": r.json()["usage"]["completion_tokens"],
+            s = time.perf_counter() - t
+            return {"s": s, "end": time.time(), "tokens": r.json()["usage"]["completion_tokens"],
                     "prompt_tokens": r.json()["usage"]["prompt_tokens"],
-                    "outside_s": time.perf_counter() - t - float(engine_s) if engine_s else None}
+                    "outside_s": s - float(engine_s) if engine_s else None}
         tokens, reason = 0, None
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -105,17 +101,47 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
                 if line.strip():
                     chunk = json.loads(line)
                     tokens, reason = tokens + len(chunk["token_ids"]), chunk["finish_reason"]
-        return None if reason in (None, "error") else {"s": time.perf_counter() - t, "tokens": tokens}
-    samples: list = []
+        return None if reason in (None, "error") else {"s": time.perf_counter() - t, "end": time.time(),
+                                                        "tokens": tokens}
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        sampler = (asyncio.create_task(sample_stats(url.rsplit("/", 1)[0], sample_s, samples))
-                   if sample_s else None)
-        rs = await asyncio.gather(*(one(client, b) for b in bodies), return_exceptions=True)
-        wall = time.perf_counter() - t0
-        if sampler is not None:
-            sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return list(await asyncio.gather(*(one(client, b) for b in bodies), return_exceptions=True))
+
+
+def client_share(url: str, bodies: list[dict], stream: bool, start_at: float) -> list:
+    """One client process's share of a burst (``_send``), its exceptions as text."""
+    return [repr(r) if isinstance(r, BaseException) else r for r in asyncio.run(_send(url, bodies, stream, start_at))]
+
+
+async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = False, sample_s: float = 0,
+                clients: Any = None) -> dict:
+    """``c`` concurrent requests: wall seconds, completion tokens, failures, and where a request's
+    time went (the median of its wait at the client less its time in the engine, the
+    ``x-coldstart-engine-s`` header: the HTTP path's share). ``stream``: each answer streamed,
+    a line per chunk, read as it comes (its tokens counted from the lines; no header then).
+    ``sample_s``: the replica's ``/stats`` sampled that often meanwhile (``sample_stats``), with
+    the least capacity share it reported. ``clients``: a process pool whose processes share the
+    requests out, all sent from one instant (one Python client serialises its own sends: 128
+    requests cost it a few hundred ms); None: this process sends them all."""
+    c = len(texts)
+    bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+               **({"stream": True} if stream else {})} for t in texts]
+    samples: list = []
+    n = getattr(clients, "_max_workers", 1) if clients is not None else 1
+    start_at = time.time() + (0.2 if clients is not None else 0.0)
+    sampler = asyncio.create_task(sample_stats(url.rsplit("/", 1)[0], sample_s, samples)) if sample_s else None
+    if clients is None:
+        rs = await _send(url, bodies, stream, start_at)
+    else:
+        loop = asyncio.get_running_loop()
+        shares = await asyncio.gather(*(loop.run_in_executor(clients, client_share, url, bodies[i::n], stream,
+                                                             start_at) for i in range(n)))
+        rs = [r for share in shares for r in share]
+    if sampler is not None:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    ok = [r for r in rs if isinstance(r, dict)]
+    wall = max(r["end"] for r in ok) - start_at if ok else float("nan")
     ok = [r for r in rs if isinstance(r, dict)]
     outside = [r["outside_s"] for r in ok if r.get("outside_s") is not None]
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in ok), "failed": c - len(ok),
@@ -124,6 +150,12 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
             "outside_engine_s_median": statistics.median(outside) if outside else None,
             **({"stats_samples": samples, "capacity_ratio_min": min(x["capacity_ratio"] for x in samples)}
                if samples else {})}
+
+
+def _ready(_: int) -> bool:
+    """A client process's imports, made before its first burst."""
+    import httpx
+    return httpx is not None
 
 
 def engine_work(base: str) -> dict:
@@ -146,6 +178,9 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true",
                     help="each concurrency's rounds streamed as well (answers read line by line)")
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
+    ap.add_argument("--clients", type=int, default=8, metavar="N",
+                    help="client processes that share each burst's requests out, all sent from one instant "
+                         "(1: this process sends them all, as this bench did before 2026-12-05)")
     ap.add_argument("--sample-s", type=float, default=0, metavar="S",
                     help="sample the replica's /stats every S seconds during each burst (its capacity share, "
                          "running and waiting sequences, free KV blocks)")
@@ -167,8 +202,15 @@ def main() -> None:
     most = max(a.concurrency)
     dep = LLMDeployment.options(ray_actor_options={"num_gpus": a.num_gpus, "num_cpus": 1}, user_config=WARMUP,
                                 max_ongoing_requests=most + 8, max_queued_requests=most)
-    res: dict = {"engine": a.engine, "env": extra, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "runs": {},
+    res: dict = {"engine": a.engine, "env": extra, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+                 "clients": a.clients, "runs": {},
                  **({"runs_stream": {}} if a.stream else {})}
+    clients = None
+    if a.clients > 1:  # started (and their imports made) before the first burst; spawned: no fork of Ray's threads
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        clients = ProcessPoolExecutor(a.clients, mp_context=multiprocessing.get_context("spawn"))
+        list(clients.map(_ready, range(a.clients)))
     try:
         serve.run(dep.bind(model=str(packed), device="cuda" if a.num_gpus else "cpu", engine=a.engine),
                   name="tput", route_prefix="/tput")
@@ -180,7 +222,8 @@ def main() -> None:
                 for _ in range(a.rounds):
                     texts = prompt_texts(packed, a.prompt_len, c)
                     before = engine_work(f"{BASE}/tput")
-                    r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream", sample_s=a.sample_s))
+                    r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream", sample_s=a.sample_s,
+                                          clients=clients))
                     after = engine_work(f"{BASE}/tput")
                     # the engine's share of the burst: its steps, shared prefills and busy time
                     r["engine"] = {k: after[k] - before[k] for k in after}
@@ -199,6 +242,8 @@ def main() -> None:
         import httpx
         res["replica_engine"] = httpx.get(f"{BASE}/tput/stats", timeout=30).json()["engine"]
     finally:
+        if clients is not None:
+            clients.shutdown()
         serve.shutdown()
         ray.shutdown()
     res["summary"] = {f"tokens_per_s{'_stream' if key == 'runs_stream' else ''}_c{c}":
