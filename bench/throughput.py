@@ -224,6 +224,7 @@ def main() -> None:
                     before = engine_work(f"{BASE}/tput")
                     r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream", sample_s=a.sample_s,
                                           clients=clients))
+                    time.sleep(0.05)  # (the loop's last turn ends after the last answer: as bench/engine.py)
                     after = engine_work(f"{BASE}/tput")
                     # the engine's share of the burst: its steps, shared prefills and busy time
                     r["engine"] = {k: after[k] - before[k] for k in after}
