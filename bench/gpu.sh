@@ -97,7 +97,7 @@ for stage in "$@"; do
              # serve_config.gpu.yaml has it (128 of 4096, 2048-token prefill chunks, the reserve the
              # engine derives), prefix reuse on and off behind a shared system prompt, a mixed load
              # beyond the cache; then the paged replica through Ray Serve's HTTP front at 64 and 128
-             # concurrent (128 in, 128 out), with Python's GIL switch interval and with 0.5 ms
+             # concurrent (128 in, 128 out; eight files in all, what a device run brings back)
              E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 16 --concurrency 1,16 \
                --out "$out/engine-static-16.json" 2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+) " | sed 's/^/static16  /'
@@ -119,10 +119,9 @@ for stage in "$@"; do
                --out "$out/engine-paged-mixed.json" 2>&1 | grep -E "^tokens_per_s_b256 |preemptions|prefill_peak" | sed 's/^/mixed256  /'
              # (each burst's line: the engine's steps, shared prefills and busy time in it, and the
              # requests' time outside the engine, beside the engine run's work_b64/128 above)
-             for env in "" COLDSTART_SWITCH_INTERVAL_MS=0.5; do
-               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
-                 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
-                 | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
+             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
+               --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
+               | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http /" ;;
     paged-start) # the replica's start in Ray with the paged engine of serve_config.gpu.yaml beside the
              # static one of 16 slots, three warm rounds each
              python3 bench/serve.py --out "$out/paged-start" --kinds minimal,coldstart --caches warm --repeat 3 \
