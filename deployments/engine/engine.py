@@ -11,8 +11,8 @@ One background thread owns the device. Each turn of its loop:
   4. the previous step's tokens are read back (the one wait on the device, while it runs this
      step), turned into text and streamed; sequences that hit a stop token, a stop string or
      their length end there, and their row of the step just launched is dropped.
-So the device always has the next step queued while the host reads one: its time between steps
-is not the host's (nor the time the loop thread waits for Python's lock under a busy server).
+So the device has the next step queued while the host reads one: up to a step's time of the
+host's work between steps (or of the loop thread's wait for Python's lock) overlaps the device's.
 A tensor-parallel model's ranks take each step's tokens before the next (they feed the host's).
 
 A failure inside one request fails only that request; a device error (or any error inside a
