@@ -13,7 +13,7 @@ from deployments.engine import Engine, EngineConfig, NonFiniteLogits, SamplingPa
 from deployments.engine.runner import check_fits
 from deployments.model import build_model
 from deployments.engine.request import TextState
-from deployments.engine.sampling import sample
+from deployments.engine.sampling import sample, sample_on_device
 from deployments.engine.tokenizer import Tokenizer
 from helpers_engine import GREEDY, PROMPTS, hf_greedy, hf_model, make_engine, state_tensors, write_tokenizer_dir
 
@@ -307,6 +307,29 @@ def test_the_next_step_is_launched_before_the_last_ones_tokens_are_read(engine):
     assert (ids, reason) == (hf_greedy(hf, PROMPTS[0], 10), "length")
     # the first token comes from the prefill: nine steps, each read after the next one's launch
     assert order == ["launch"] + ["launch", "read"] * 8 + ["read"]
+
+
+def test_a_batch_whose_sampling_fails_is_sampled_row_by_row_with_the_same_tokens(engine, monkeypatch):
+    """Where sampling a decode step's batch on the device raises (not a device error), its rows
+    are sampled one by one, after the step before it is taken: every request gets the tokens it
+    gets alone, and the loop goes on."""
+    import deployments.engine.scheduler as sched
+
+    eng, _ = engine
+    params = SamplingParams(max_new_tokens=12, **GREEDY)
+    alone = [eng.generate(p, params)[0] for p in PROMPTS[:3]]
+    failed = []
+
+    def flaky(logits, *a):
+        if logits.shape[0] > 1 and len(failed) < 3:  # three batched steps fail
+            failed.append(logits.shape[0])
+            raise ValueError("a batch this sampler cannot take")
+        return sample_on_device(logits, *a)
+
+    monkeypatch.setattr(sched, "sample_on_device", flaky)
+    hs = [eng.submit(p, params) for p in PROMPTS[:3]]
+    assert [h.result(timeout=60)[0] for h in hs] == alone
+    assert len(failed) == 3 and eng.alive()
 
 
 def test_a_step_feeds_its_tokens_to_the_next_and_the_host_fills_the_rest():
