@@ -17,6 +17,10 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/coldstart-triton-cache}
 # the serving side as it was before its restructure, for the restructure-* stages: a plain
 # checkout (git archive f91d0c1 | tar -x -C .baseline)
 B=${BASELINE:-$PWD/.baseline}
+# serve_config.gpu.yaml's engine (paged, 128 sequences of up to 4096 positions, 2048-token prefill
+# chunks): as bench/engine.py's arguments, and as bench/throughput.py's --engine
+E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
+GPU_ENGINE='{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}'
 rc=0
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -98,7 +102,6 @@ for stage in "$@"; do
              # engine derives), prefix reuse on and off behind a shared system prompt, a mixed load
              # beyond the cache; then the paged replica through Ray Serve's HTTP front at 64 and 128
              # concurrent (128 in, 128 out; eight files in all, what a device run brings back)
-             E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
              python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 16 --concurrency 1,16 \
                --out "$out/engine-static-16.json" 2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+) " | sed 's/^/static16  /'
              python3 bench/engine.py $W/packed --max-seq-len 1024 --no-hf --max-slots 128 --concurrency 32,64,128 \
@@ -120,7 +123,7 @@ for stage in "$@"; do
              # (each burst's line: the engine's steps, shared prefills and busy time in it, and the
              # requests' time outside the engine, beside the engine run's work_b64/128 above)
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
-               --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
+               --engine "$GPU_ENGINE" 2>&1 \
                | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http /" ;;
     paged-start) # the replica's start in Ray with the paged engine of serve_config.gpu.yaml beside the
              # static one of 16 slots, three warm rounds each
@@ -141,27 +144,25 @@ for stage in "$@"; do
     http-options) # the paged engine of serve_config.gpu.yaml alone, then through Ray Serve's HTTP front with
              # Ray Serve's defaults and with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (its replicas' own HTTP servers, user
              # code on the replica's event loop, request logs buffered), each in its own Ray instance
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
-               --prefill-chunk 2048 --concurrency 64,128 --out "$out/engine-paged.json" 2>&1 \
+             python3 bench/engine.py $W/packed $E --concurrency 64,128 --out "$out/engine-paged.json" 2>&1 \
                | grep -E "^(tokens_per_s_b(64|128)|work_b128) " | sed 's/^/engine /'
              for env in "" RAY_SERVE_THROUGHPUT_OPTIMIZED=1; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
-                 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' 2>&1 \
+                 --engine "$GPU_ENGINE" 2>&1 \
                  | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
     http-clients) # http-options at 128 concurrent with the requests sent by 8 client processes from one instant
              # (bench/throughput.py --clients 8): Ray Serve's throughput-optimized mode first, then its defaults
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged \
-               --prefill-chunk 2048 --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
+             python3 bench/engine.py $W/packed $E --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
                | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
              for env in RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ""; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 2 --clients 8 \
-                 ${env:+--env $env} --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' \
+                 ${env:+--env $env} --engine "$GPU_ENGINE" \
                  2>&1 | grep -E "concurrent:" | sed "s/^/http${env:+ $env} /"; done ;;
     capacity) # what the capacity policy reads on a GPU: the paged replica of serve_config.gpu.yaml through
              # Ray Serve's HTTP front, 128 requests of 3,000-token prompts at once (more than its cache holds),
              # its /stats sampled every 0.5 s (capacity share, running, waiting, free blocks)
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 1 --prompt-len 3000 \
-               --sample-s 0.5 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}' \
+               --sample-s 0.5 --engine "$GPU_ENGINE" \
                2>&1 | grep -E "concurrent:" ;;
     wide)    # a 128-row decode step's parts: the projections through cuBLAS, the paged attention at the
              # engine benchmark's lengths (defaults and the attention sweep's configs)
@@ -171,7 +172,6 @@ for stage in "$@"; do
              # paged engine of serve_config.gpu.yaml: the engine alone at 64 and 128 concurrent (two runs of
              # each side, alternating; the first with its decode steps' device time against their wall time),
              # or (lookahead-http) through Ray Serve's HTTP front, each side in its own Ray instance
-             E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
              G="^(tokens_per_s_b(1|64|128)|work_b128|profile (tokens_per_s|wall_ms_per_step|decode_device_ms_per_step|decode_device_share|prefill_device_share)) "
              r=0
              if [ $stage = lookahead ]; then for run in 1 2; do for side in before after; do
@@ -185,7 +185,7 @@ for stage in "$@"; do
              else for side in before after; do
                d=$PWD; [ $side = before ] && d=$B
                (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/throughput.py --packed $W/packed --out "$out/http-$side" \
-                 --concurrency 64,128 --engine '{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}') 2>&1 \
+                 --concurrency 64,128 --engine "$GPU_ENGINE") 2>&1 \
                  | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/$side /" || r=1
              done; fi; (exit $r) ;;
     *) echo "unknown stage $stage"; exit 2 ;;

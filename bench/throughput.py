@@ -89,9 +89,9 @@ async def _send(url: str, bodies: list[dict], stream: bool, start_at: float) -> 
             if r.status_code != 200:
                 return None
             engine_s = r.headers.get("x-coldstart-engine-s")
-            s = time.perf_counter() - t
-            return {"s": s, "end": time.time(), "tokens": r.json()["usage"]["completion_tokens"],
-                    "prompt_tokens": r.json()["usage"]["prompt_tokens"],
+            s, usage = time.perf_counter() - t, r.json()["usage"]
+            return {"s": s, "end": time.time(), "tokens": usage["completion_tokens"],
+                    "prompt_tokens": usage["prompt_tokens"],
                     "outside_s": s - float(engine_s) if engine_s else None}
         tokens, reason = 0, None
         async with client.stream("POST", url, json=body) as r:
@@ -114,35 +114,33 @@ def client_share(url: str, bodies: list[dict], stream: bool, start_at: float) ->
 
 
 async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = False, sample_s: float = 0,
-                clients: Any = None) -> dict:
+                clients: Any = None, n_clients: int = 1) -> dict:
     """``c`` concurrent requests: wall seconds, completion tokens, failures, and where a request's
     time went (the median of its wait at the client less its time in the engine, the
     ``x-coldstart-engine-s`` header: the HTTP path's share). ``stream``: each answer streamed,
     a line per chunk, read as it comes (its tokens counted from the lines; no header then).
     ``sample_s``: the replica's ``/stats`` sampled that often meanwhile (``sample_stats``), with
-    the least capacity share it reported. ``clients``: a process pool whose processes share the
-    requests out, all sent from one instant (one Python client serialises its own sends: 128
+    the least capacity share it reported. ``clients``: a pool of ``n_clients`` processes that share
+    the requests out, all sent from one instant (one Python client serialises its own sends: 128
     requests cost it a few hundred ms); None: this process sends them all."""
     c = len(texts)
     bodies = [{"prompt": t, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                **({"stream": True} if stream else {})} for t in texts]
     samples: list = []
-    n = getattr(clients, "_max_workers", 1) if clients is not None else 1
     start_at = time.time() + (0.2 if clients is not None else 0.0)
     sampler = asyncio.create_task(sample_stats(url.rsplit("/", 1)[0], sample_s, samples)) if sample_s else None
     if clients is None:
         rs = await _send(url, bodies, stream, start_at)
     else:
         loop = asyncio.get_running_loop()
-        shares = await asyncio.gather(*(loop.run_in_executor(clients, client_share, url, bodies[i::n], stream,
-                                                             start_at) for i in range(n)))
+        shares = await asyncio.gather(*(loop.run_in_executor(clients, client_share, url, bodies[i::n_clients],
+                                                             stream, start_at) for i in range(n_clients)))
         rs = [r for share in shares for r in share]
     if sampler is not None:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
     ok = [r for r in rs if isinstance(r, dict)]
     wall = max(r["end"] for r in ok) - start_at if ok else float("nan")
-    ok = [r for r in rs if isinstance(r, dict)]
     outside = [r["outside_s"] for r in ok if r.get("outside_s") is not None]
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in ok), "failed": c - len(ok),
             "prompt_tokens": sorted({r["prompt_tokens"] for r in ok if "prompt_tokens" in r}),
@@ -223,7 +221,7 @@ def main() -> None:
                     texts = prompt_texts(packed, a.prompt_len, c)
                     before = engine_work(f"{BASE}/tput")
                     r = asyncio.run(burst(url, texts, a.new_tokens, stream=mode == "stream", sample_s=a.sample_s,
-                                          clients=clients))
+                                          clients=clients, n_clients=a.clients))
                     time.sleep(0.05)  # (the loop's last turn ends after the last answer: as bench/engine.py)
                     after = engine_work(f"{BASE}/tput")
                     # the engine's share of the burst: its steps, shared prefills and busy time

@@ -284,7 +284,7 @@ def test_sample_gives_no_token_for_non_finite_rows():
 
 def test_the_next_step_is_launched_before_the_last_ones_tokens_are_read(engine):
     """Each decode step's tokens are sampled on the device and read back only once the next
-    step is launched (the device never waits for the host between steps); the tokens are the
+    step is launched (the host's work between steps overlaps the device's); the tokens are the
     same as transformers' and the last step is read without a launch after it."""
     eng, hf = engine
     r, order = eng.runner, []

@@ -330,7 +330,7 @@ class Engine:
         toks = read()
         for seq in seqs:
             seq.ahead -= 1
-        self.scheduler.take(seqs, tokens(toks[: len(seqs)]), dtype)
+        self.scheduler.take(seqs, tokens(toks), dtype)
 
 
 def iter_text(handle: RequestHandle) -> Iterator[str]:
