@@ -4,6 +4,7 @@
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
 #         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options http-clients capacity
+#         http-where engine-knobs
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -158,6 +159,21 @@ for stage in "$@"; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 2 --clients 8 \
                  ${env:+--env $env} --engine "$GPU_ENGINE" \
                  2>&1 | grep -E "concurrent:" | sed "s/^/http${env:+ $env} /"; done ;;
+    http-where) # where a burst through Ray Serve's HTTP front loses time against the engine alone: the paged
+             # engine of serve_config.gpu.yaml alone at 128 concurrent (its busy time split into prefill and
+             # decode), then through the HTTP front (8 client processes) four bursts, then two more with the
+             # replica's /stats sampled every 20 ms (when the whole burst was in the engine), in its own Ray instance
+             python3 bench/engine.py $W/packed $E --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
+               | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
+             for s in 0 0.02; do
+               python3 bench/throughput.py --packed $W/packed --out "$out/sampled-$s" --concurrency 128 --clients 8 \
+                 --rounds $([ $s = 0 ] && echo 4 || echo 2) --sample-s $s --engine "$GPU_ENGINE" \
+                 2>&1 | grep -E "concurrent:" | sed "s/^/http sampled=$s /"; done ;;
+    engine-knobs) # the paged engine of serve_config.gpu.yaml at 64 and 128 concurrent, then with 32-position
+             # KV blocks, then with 4096-token prefill chunks (32 fresh 128-token prompts a forward)
+             for v in "" "--kv-block-size 32" "--prefill-chunk 4096"; do
+               python3 bench/engine.py $W/packed $E $v --concurrency 64,128 --out "$out/engine${v// /}.json" 2>&1 \
+                 | grep -E "^(tokens_per_s_b(64|128)|work_b128) " | sed "s/^/engine${v:+ $v} /"; done ;;
     capacity) # what the capacity policy reads on a GPU: the paged replica of serve_config.gpu.yaml through
              # Ray Serve's HTTP front, 128 requests of 3,000-token prompts at once (more than its cache holds),
              # its /stats sampled every 0.5 s (capacity share, running, waiting, free blocks)

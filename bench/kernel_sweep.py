@@ -214,15 +214,20 @@ def sweep_wide(dtype: torch.dtype, B: int = 128) -> dict:
     config of the attention sweep; with the GB each reads and the rate."""
     out: dict = {"rows": B, "gemm": {}}
     total = 0.0
+    default = torch.backends.cuda.preferred_blas_library()
     for name, N, K, copies in GEMV_SHAPES:
         ws = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         x = torch.randn(B, K, device="cuda", dtype=dtype)
-        ms = graph_ms(lambda: [F.linear(x, w) for w in ws])
         gb = copies * N * K * ws[0].element_size() / 1e9
-        per_step = ms / copies * (1 if name == "lm_head" else LAYERS)
-        total += per_step
-        out["gemm"][name] = {"N": N, "K": K, "ms_per_step": per_step, "GBps": gb / ms * 1e3}
-        print(f"wide gemm {name:10s} {N:6d}x{K:<6d} {per_step:7.3f} ms/step {gb / ms * 1e3:6.0f} GB/s", flush=True)
+        for lib in ("cublas", "cublaslt"):  # torch's default library, and cuBLASLt's own choice of kernel
+            torch.backends.cuda.preferred_blas_library(lib)
+            ms = graph_ms(lambda: [F.linear(x, w) for w in ws])
+            per_step = ms / copies * (1 if name == "lm_head" else LAYERS)
+            key = name if lib == "cublas" else f"{name}-{lib}"
+            out["gemm"][key] = {"N": N, "K": K, "ms_per_step": per_step, "GBps": gb / ms * 1e3}
+            total += per_step if lib == "cublas" else 0.0
+            print(f"wide gemm {key:18s} {N:6d}x{K:<6d} {per_step:7.3f} ms/step {gb / ms * 1e3:6.0f} GB/s", flush=True)
+        torch.backends.cuda.preferred_blas_library(default)
         ws.clear()
         torch.cuda.empty_cache()
     out["gemm_ms_per_step"] = total

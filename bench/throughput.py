@@ -62,16 +62,15 @@ _SENT = itertools.count()  # every request's number, over all bursts
 SAMPLED = ("capacity_ratio", "running", "waiting", "kv_blocks_free")
 
 
-async def sample_stats(base: str, every_s: float, into: list) -> None:
+async def sample_stats(base: str, every_s: float, into: list, t0: float) -> None:
     """The replica's ``/stats`` every ``every_s`` until cancelled (over a connection of its own):
     its capacity share (what its autoscaling policy reads), running and waiting sequences and free
-    KV blocks (``SAMPLED``)."""
+    KV blocks (``SAMPLED``); each sample's ``t`` in seconds from ``t0`` (``time.time()``)."""
     import httpx
-    t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=60) as client:
         while True:
             st = (await client.get(f"{base}/stats")).json()
-            into.append({"t": round(time.perf_counter() - t0, 3), "capacity_ratio": st.get("capacity_ratio"),
+            into.append({"t": round(time.time() - t0, 3), "capacity_ratio": st.get("capacity_ratio"),
                          **{k: st["engine"].get(k) for k in SAMPLED[1:]}})
             await asyncio.sleep(every_s)
 
@@ -128,7 +127,8 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
                **({"stream": True} if stream else {})} for t in texts]
     samples: list = []
     start_at = time.time() + (0.2 if clients is not None else 0.0)
-    sampler = asyncio.create_task(sample_stats(url.rsplit("/", 1)[0], sample_s, samples)) if sample_s else None
+    sampler = (asyncio.create_task(sample_stats(url.rsplit("/", 1)[0], sample_s, samples, start_at))
+               if sample_s else None)
     if clients is None:
         rs = await _send(url, bodies, stream, start_at)
     else:
@@ -146,7 +146,10 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
             "prompt_tokens": sorted({r["prompt_tokens"] for r in ok if "prompt_tokens" in r}),
             "request_s_median": statistics.median(r["s"] for r in ok) if ok else None,
             "outside_engine_s_median": statistics.median(outside) if outside else None,
-            **({"stats_samples": samples, "capacity_ratio_min": min(x["capacity_ratio"] for x in samples)}
+            **({"stats_samples": samples, "capacity_ratio_min": min(x["capacity_ratio"] for x in samples),
+                # the first sample that saw every request in the engine (running or waiting): how long
+                # the HTTP path took to hand the whole burst over
+                "all_in_engine_s": next((x["t"] for x in samples if x["running"] + x["waiting"] >= c), None)}
                if samples else {})}
 
 
@@ -228,15 +231,16 @@ def main() -> None:
                     r["engine"] = {k: after[k] - before[k] for k in after}
                     r["tokens_per_s"] = r["tokens"] / r["wall_s"]
                     runs.append(r)
-                    outside = r["outside_engine_s_median"]
+                    outside, e = r["outside_engine_s_median"], r["engine"]
                     print(f"  {c:4d} concurrent{' streamed' if mode == 'stream' else ''}: {r['tokens_per_s']:9.1f} "
                           f"tokens/s ({r['tokens']} tokens in {r['wall_s']:.2f} s, {r['failed']} failed); engine busy "
-                          f"{r['engine']['busy_s']:.2f} s, {r['engine']['steps']} steps, "
-                          f"{r['engine']['batched_prefills']} shared prefills; a request {r['request_s_median']:.2f} s"
+                          f"{e['busy_s']:.2f} s (prefill {e['prefill_s']:.2f} s, decode "
+                          f"{e['decode_s'] / max(e['steps'], 1) * 1e3:.2f} ms a step), {e['steps']} steps, "
+                          f"{e['batched_prefills']} shared prefills; a request {r['request_s_median']:.2f} s"
                           + (f", {outside:.3f} s of it outside the engine (medians)" if outside is not None else "")
                           + (f"; capacity share at least {r['capacity_ratio_min']:.3f}, at most "
-                             f"{max(x['running'] for x in r['stats_samples'])} running"
-                             if "capacity_ratio_min" in r else ""), flush=True)
+                             f"{max(x['running'] for x in r['stats_samples'])} running, all in the engine after "
+                             f"{r['all_in_engine_s']} s" if "capacity_ratio_min" in r else ""), flush=True)
                 res["runs" if mode == "plain" else "runs_stream"][c] = runs
         import httpx
         res["replica_engine"] = httpx.get(f"{BASE}/tput/stats", timeout=30).json()["engine"]

@@ -410,6 +410,8 @@ def test_stats_and_shutdown(engine):
     s = eng.stats()
     assert s["tokens_generated"] >= 5 and s["steps"] >= 4 and s["prompt_tokens"] >= 3
     assert 0 < s["busy_s"] - busy0 < wall  # the loop's turns for this request, not its idle waits
+    assert s["prefill_s"] > 0 and s["decode_s"] > 0
+    assert s["prefill_s"] + s["decode_s"] == pytest.approx(s["busy_s"])
     time.sleep(0.3)
     assert eng.stats()["busy_s"] == s["busy_s"]
     assert (s["running"], s["waiting"], s["free_slots"]) == (0, 0, 4)

@@ -83,8 +83,10 @@ class Engine:
         # the runner's calls (their inputs are the tokens rank 0 sends)
         self._ahead = channel is None
         self.error: BaseException | None = None
-        # busy_s: the loop's time in turns that had requests (its idle waits left out)
-        self._stats = {"steps": 0, "batched_prefills": 0, "busy_s": 0.0}
+        # busy_s: the loop's time in turns that had requests (its idle waits left out), of it
+        # prefill_s in admissions and prefills, decode_s in decode steps (each with the read of the
+        # step before: where the host keeps up, the device's time per step)
+        self._stats = {"steps": 0, "batched_prefills": 0, "busy_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -207,11 +209,15 @@ class Engine:
                         self._wake.wait(0.1)
                         self._wake.clear()
                         continue
-                    t = time.perf_counter()
+                    t0 = time.perf_counter()
                     s.admit()
                     self._prefill_turn()
+                    t1 = time.perf_counter()
                     self._decode_step()
-                    self._stats["busy_s"] += time.perf_counter() - t
+                    t2 = time.perf_counter()
+                    st = self._stats
+                    st["prefill_s"], st["decode_s"], st["busy_s"] = (st["prefill_s"] + t1 - t0, st["decode_s"] + t2 - t1,
+                                                                     st["busy_s"] + t2 - t0)
         except BaseException as e:  # noqa: BLE001 - the loop must record why it died
             log.exception("engine loop died")
             self.error = e
