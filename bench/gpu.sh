@@ -161,14 +161,17 @@ for stage in "$@"; do
                  2>&1 | grep -E "concurrent:" | sed "s/^/http${env:+ $env} /"; done ;;
     http-where) # where a burst through Ray Serve's HTTP front loses time against the engine alone: the paged
              # engine of serve_config.gpu.yaml alone at 128 concurrent (its busy time split into prefill and
-             # decode), then through the HTTP front (8 client processes) four bursts, then two more with the
-             # replica's /stats sampled every 20 ms (when the whole burst was in the engine), in its own Ray instance
+             # decode), then through the HTTP front (8 client processes) four bursts (and so with each of
+             # HTTP_ENVS, NAME=VALUE words, in the environment Ray starts in), then two more with the replica's
+             # /stats sampled every 20 ms (when the whole burst was in the engine); each in its own Ray instance
              python3 bench/engine.py $W/packed $E --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
                | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
-             for s in 0 0.02; do
-               python3 bench/throughput.py --packed $W/packed --out "$out/sampled-$s" --concurrency 128 --clients 8 \
-                 --rounds $([ $s = 0 ] && echo 4 || echo 2) --sample-s $s --engine "$GPU_ENGINE" \
-                 2>&1 | grep -E "concurrent:" | sed "s/^/http sampled=$s /"; done ;;
+             for env in "" ${HTTP_ENVS:-}; do
+               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --clients 8 --rounds 4 \
+                 ${env:+--env $env} --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | sed "s/^/http ${env:-defaults} /"
+             done
+             python3 bench/throughput.py --packed $W/packed --out "$out/sampled" --concurrency 128 --clients 8 --rounds 2 \
+               --sample-s 0.02 --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | sed "s/^/http sampled /" ;;
     engine-knobs) # the paged engine of serve_config.gpu.yaml at 64 and 128 concurrent, then with 32-position
              # KV blocks, then with 4096-token prefill chunks (32 fresh 128-token prompts a forward)
              for v in "" "--kv-block-size 32" "--prefill-chunk 4096"; do

@@ -87,11 +87,15 @@ async def _send(url: str, bodies: list[dict], stream: bool, start_at: float) -> 
             r = await client.post(url, json=body)
             if r.status_code != 200:
                 return None
-            engine_s = r.headers.get("x-coldstart-engine-s")
+            engine_s, route_s = (r.headers.get(f"x-coldstart-{k}-s") for k in ("engine", "route"))
             s, usage = time.perf_counter() - t, r.json()["usage"]
             return {"s": s, "end": time.time(), "tokens": usage["completion_tokens"],
                     "prompt_tokens": usage["prompt_tokens"],
-                    "outside_s": s - float(engine_s) if engine_s else None}
+                    "outside_s": s - float(engine_s) if engine_s else None,
+                    # of it, in the route (parsing, tokenizing, waits for the replica's event loop), and
+                    # on the way to and from it (Ray's proxy and router, the replica's own handling)
+                    "route_s": float(route_s) - float(engine_s) if engine_s and route_s else None,
+                    "path_s": s - float(route_s) if route_s else None}
         tokens, reason = 0, None
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -141,11 +145,15 @@ async def burst(url: str, texts: list[str], new_tokens: int, stream: bool = Fals
         await asyncio.gather(sampler, return_exceptions=True)
     ok = [r for r in rs if isinstance(r, dict)]
     wall = max(r["end"] for r in ok) - start_at if ok else float("nan")
-    outside = [r["outside_s"] for r in ok if r.get("outside_s") is not None]
+
+    def median(key: str) -> float | None:
+        v = [r[key] for r in ok if r.get(key) is not None]
+        return statistics.median(v) if v else None
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in ok), "failed": c - len(ok),
             "prompt_tokens": sorted({r["prompt_tokens"] for r in ok if "prompt_tokens" in r}),
             "request_s_median": statistics.median(r["s"] for r in ok) if ok else None,
-            "outside_engine_s_median": statistics.median(outside) if outside else None,
+            "outside_engine_s_median": median("outside_s"),
+            "route_s_median": median("route_s"), "path_s_median": median("path_s"),
             **({"stats_samples": samples, "capacity_ratio_min": min(x["capacity_ratio"] for x in samples),
                 # the first sample that saw every request in the engine (running or waiting): how long
                 # the HTTP path took to hand the whole burst over
@@ -237,7 +245,8 @@ def main() -> None:
                           f"{e['busy_s']:.2f} s (prefill {e['prefill_s']:.2f} s, decode "
                           f"{e['decode_s'] / max(e['steps'], 1) * 1e3:.2f} ms a step), {e['steps']} steps, "
                           f"{e['batched_prefills']} shared prefills; a request {r['request_s_median']:.2f} s"
-                          + (f", {outside:.3f} s of it outside the engine (medians)" if outside is not None else "")
+                          + (f", {outside:.3f} s of it outside the engine ({r['route_s_median']:.3f} s in the route, "
+                             f"{r['path_s_median']:.3f} s to and from it; medians)" if outside is not None else "")
                           + (f"; capacity share at least {r['capacity_ratio_min']:.3f}, at most "
                              f"{max(x['running'] for x in r['stats_samples'])} running, all in the engine after "
                              f"{r['all_in_engine_s']} s" if "capacity_ratio_min" in r else ""), flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 from fastapi import Request
@@ -34,6 +35,7 @@ class Routes:
         s = self.server
 
         async def route(request: Request) -> Response:
+            request.state.started = time.perf_counter()  # (the route's own time: the timing headers)
             try:
                 if warm and not s.warm:
                     s.metrics.request("not_warm")
@@ -73,7 +75,7 @@ class Routes:
         text, out, reason = await self._collect(handle)
         # timings go in headers and /stats: the same tokens make a body of the same length
         return JSONResponse({"text": text, "token_ids": out, "finish_reason": reason,
-                             "usage": api.usage(len(ids), len(out))}, headers=_timing(handle))
+                             "usage": api.usage(len(ids), len(out))}, headers=_timing(handle, request))
 
     async def completions(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
@@ -87,7 +89,7 @@ class Routes:
                 self._sse_tail(p, rid, "text_completion", len(ids)), sse_fail, self._account),
                 media_type="text/event-stream")
         text, out, reason = await self._collect(handle)
-        return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)), headers=_timing(handle))
+        return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)), headers=_timing(handle, request))
 
     async def chat(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
@@ -119,7 +121,7 @@ class Routes:
                                                                                 len(ids)), sse_fail, self._account),
                                      media_type="text/event-stream")
         text, out, reason = await self._collect(handle)
-        return JSONResponse(api.chat_body(rid, model, text, reason, len(ids), len(out)), headers=_timing(handle))
+        return JSONResponse(api.chat_body(rid, model, text, reason, len(ids), len(out)), headers=_timing(handle, request))
 
     # ---------------------------------------------------------------- the rest
     async def models(self, request: Request) -> Response:
@@ -197,12 +199,15 @@ class Routes:
         return tail
 
 
-def _timing(handle: Any) -> dict[str, str]:
+def _timing(handle: Any, request: Request) -> dict[str, str]:
     """A finished request's times in the engine: to its first token, and from its submission to its
-    end (the rest of what a client waited is the HTTP path's: Ray's proxy, tokenizing, answering)."""
+    end; and the route's, from its start to this answer (beyond the engine's: parsing, tokenizing,
+    the wait for this process's event loop). The rest of what a client waited is the path to and
+    from the route: Ray's proxy and router, the replica's own handling."""
     out = {} if handle.ttft_s is None else {"x-coldstart-ttft-s": f"{handle.ttft_s:.4f}"}
     if handle.finished_at is not None:
         out["x-coldstart-engine-s"] = f"{handle.finished_at - handle.submitted_at:.4f}"
+    out["x-coldstart-route-s"] = f"{time.perf_counter() - request.state.started:.4f}"
     return out
 
 
