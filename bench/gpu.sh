@@ -163,11 +163,17 @@ for stage in "$@"; do
              # engine of serve_config.gpu.yaml alone at 128 concurrent (its busy time split into prefill and
              # decode), then through the HTTP front (8 client processes) four bursts (and so with each of
              # HTTP_ENVS, NAME=VALUE words, in the environment Ray starts in), then two more with the replica's
-             # /stats sampled every 20 ms (when the whole burst was in the engine); each in its own Ray instance
+             # /stats sampled every 20 ms (when the whole burst was in the engine); each in its own Ray instance.
+             # HTTP_SWITCH_MS=N adds a variant, twice, alternating with the defaults: Python's switch interval at
+             # N ms in every Ray process (a sitecustomize on their PYTHONPATH)
              python3 bench/engine.py $W/packed $E --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
                | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
-             for env in "" ${HTTP_ENVS:-}; do
-               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --clients 8 --rounds 4 \
+             envs=${HTTP_ENVS:-}
+             if [ -n "${HTTP_SWITCH_MS:-}" ]; then
+               mkdir -p $W/switch && echo "import sys; sys.setswitchinterval($HTTP_SWITCH_MS / 1000)" > $W/switch/sitecustomize.py
+               envs="$envs PYTHONPATH=$W/switch:$PYTHONPATH '' PYTHONPATH=$W/switch:$PYTHONPATH"; fi
+             i=0; for env in "" $envs; do env=${env#\'\'}; i=$((i + 1))
+               python3 bench/throughput.py --packed $W/packed --out "$out/http-$i" --concurrency 128 --clients 8 --rounds 4 \
                  ${env:+--env $env} --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | sed "s/^/http ${env:-defaults} /"
              done
              python3 bench/throughput.py --packed $W/packed --out "$out/sampled" --concurrency 128 --clients 8 --rounds 2 \

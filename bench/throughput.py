@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import os
 import statistics
 import sys
@@ -266,7 +267,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = "-".join(["throughput", a.engine.get("kv_cache", "static"), *(f"{k}{v}" for k, v in extra.items()),
                      *([f"prompt{a.prompt_len}"] if a.prompt_len != 128 else [])])
-    name = name.replace("COLDSTART_", "").lower() + ".json"
+    name = re.sub(r"[^a-z0-9_.=-]+", "_", name.replace("COLDSTART_", "").lower())[:120] + ".json"
     (out / name).write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
 
