@@ -26,8 +26,8 @@ import argparse
 import asyncio
 import itertools
 import json
-import re
 import os
+import re
 import statistics
 import sys
 import time
