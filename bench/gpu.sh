@@ -4,7 +4,7 @@
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
 #         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options http-clients capacity
-#         http-where engine-knobs
+#         http-where engine-knobs prefill-kernels
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -189,6 +189,10 @@ for stage in "$@"; do
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 1 --prompt-len 3000 \
                --sample-s 0.5 --engine "$GPU_ENGINE" \
                2>&1 | grep -E "concurrent:" ;;
+    prefill-kernels) # a shared prefill's device time by kernel: 16 fresh 128-token prompts in one forward (the
+             # engine's 2048-token chunk), then 32 (a 4096-token one)
+             for rows in 16 32; do python3 bench/prefill_kernels.py $W/packed --rows $rows \
+               --out "$out/prefill-kernels-$rows.json" 2>&1 | grep -vE "USDT|^\[" | head -22; done ;;
     wide)    # a 128-row decode step's parts: the projections through cuBLAS, the paged attention at the
              # engine benchmark's lengths (defaults and the attention sweep's configs)
              python3 bench/kernel_sweep.py --only wide --out "$out/wide-sweep.json" 2>&1 | grep -E "^wide" ;;
