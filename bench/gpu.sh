@@ -4,7 +4,7 @@
 # Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
 #         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
 #         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options http-clients capacity
-#         http-where engine-knobs prefill-kernels
+#         http-where engine-knobs prefill-kernels engine-ab
 # OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
 # made once under /tmp/coldstart-bench and reused by every stage.
 set -o pipefail
@@ -189,6 +189,15 @@ for stage in "$@"; do
              python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 1 --prompt-len 3000 \
                --sample-s 0.5 --engine "$GPU_ENGINE" \
                2>&1 | grep -E "concurrent:" ;;
+    engine-ab) # the paged engine of serve_config.gpu.yaml at 1, 64 and 128 concurrent, BASELINE (a plain checkout
+             # of the commit before a change) beside this tree, alternating, AB_RUNS (default 1) times each
+             r=0; for run in $(seq ${AB_RUNS:-1}); do for side in before after; do
+               d=$PWD; [ $side = before ] && d=$B
+               log=$W/engine-ab-$side-$run.log
+               (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency 1,64,128 \
+                 --out "$out/engine-$side-$run.json") > $log 2>&1 || { r=1; tail -20 $log; }
+               grep -E "^(tokens_per_s_b(64|128)|decode_ms_per_token_b1|ttft_ms_b1|work_b128) " $log | sed "s/^/$side $run /"
+             done; done; (exit $r) ;;
     prefill-kernels) # a shared prefill's device time by kernel: 16 fresh 128-token prompts in one forward (the
              # engine's 2048-token chunk), then 32 (a 4096-token one)
              for rows in 16 32; do python3 bench/prefill_kernels.py $W/packed --rows $rows \

@@ -268,21 +268,25 @@ def test_a_mixed_load_on_a_small_cache_never_fails_and_each_request_gets_its_tok
     assert together == alone and all(len(t) == m for t, (_, m) in zip(together, reqs))
 
 
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 7})])
 @pytest.mark.parametrize("attention", [True, False])
-def test_the_fused_decode_reads_and_writes_through_the_table(attention, tmp_path):
-    """The decode step the GPU runs (rope + cache write in one op, the flash-decoding attention or
-    the batched matmuls over a gather), here through the ops' references on the CPU."""
+def test_the_fused_decode_reads_and_writes_through_the_table(attention, arch, kw, tmp_path):
+    """The prefills and decode steps the GPU runs (rope + cache write in one op; the flash-decoding
+    attention or the batched matmuls over a gather), here through the ops' references on the CPU:
+    prompts of several chunks, and prompts that share a forward."""
     from deployments.kernels.policy import KernelPlan
     from weights import PackOptions, load, pack
-    hf, cfg = hf_model("llama", intermediate_size=128, hidden_size=128, num_attention_heads=8, num_key_value_heads=4)
+    hf, cfg = hf_model(arch, intermediate_size=128, hidden_size=128, num_attention_heads=8, num_key_value_heads=4,
+                       **kw)
     want = [hf_greedy(hf, p, 12) for p in PROMPTS]
     hf.save_pretrained(tmp_path / "hf")
     m = load(pack(tmp_path / "hf", tmp_path / "p", PackOptions(progress=False)), "cpu")
     model = build_model(m.config, m.tensors)  # packed: q/k/v and gate/up lie back to back (the fused views)
-    model.kernels = KernelPlan(fused=True, attention=attention)
-    assert model._fused_decode() and model.attention_kernel() == attention
     eng = Engine(model, None, EngineConfig(max_slots=3, max_seq_len=96, prefill_chunk=16, prefill_min_len=8,
                                            kv_cache="paged"))
+    # set after the engine's paged-kernel check, which turns them off where Triton is not (the CPU)
+    model.kernels = KernelPlan(fused=True, attention=attention)
+    assert model._fused_decode() and model.attention_kernel() == attention
     with eng:
         assert _run(eng, PROMPTS) == want
 
