@@ -174,7 +174,7 @@ for stage in "$@"; do
                envs="$envs PYTHONPATH=$W/switch:$PYTHONPATH '' PYTHONPATH=$W/switch:$PYTHONPATH"; fi
              i=0; for env in "" $envs; do env=${env#\'\'}; i=$((i + 1))
                python3 bench/throughput.py --packed $W/packed --out "$out/http-$i" --concurrency 128 --clients 8 --rounds 4 \
-                 ${env:+--env $env} --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | sed "s/^/http ${env:-defaults} /"
+                 ${env:+--env $env} --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | awk -v l="http ${env:-defaults}" '{print l, $0}'
              done
              python3 bench/throughput.py --packed $W/packed --out "$out/sampled" --concurrency 128 --clients 8 --rounds 2 \
                --sample-s 0.02 --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | sed "s/^/http sampled /" ;;
