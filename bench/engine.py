@@ -117,7 +117,8 @@ def import_seconds() -> float:
     return float(out.stdout.strip())
 
 
-WORK = ("steps", "batched_prefills", "busy_s", "prefill_s", "decode_s", "prompt_tokens")  # a run's work (bench/throughput.py reads them too)
+# a run's work (bench/throughput.py reads them too)
+WORK = ("steps", "batched_prefills", "busy_s", "prefill_s", "decode_s", "prompt_tokens")
 
 
 def run_concurrent(engine: Engine, prompts: list[list[int]], new_tokens: int, device: torch.device,

@@ -216,8 +216,9 @@ class Engine:
                     self._decode_step()
                     t2 = time.perf_counter()
                     st = self._stats
-                    st["prefill_s"], st["decode_s"], st["busy_s"] = (st["prefill_s"] + t1 - t0, st["decode_s"] + t2 - t1,
-                                                                     st["busy_s"] + t2 - t0)
+                    st["prefill_s"] += t1 - t0
+                    st["decode_s"] += t2 - t1
+                    st["busy_s"] += t2 - t0
         except BaseException as e:  # noqa: BLE001 - the loop must record why it died
             log.exception("engine loop died")
             self.error = e

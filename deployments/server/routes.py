@@ -89,7 +89,8 @@ class Routes:
                 self._sse_tail(p, rid, "text_completion", len(ids)), sse_fail, self._account),
                 media_type="text/event-stream")
         text, out, reason = await self._collect(handle)
-        return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)), headers=_timing(handle, request))
+        return JSONResponse(api.completion_body(rid, model, text, reason, len(ids), len(out)),
+                            headers=_timing(handle, request))
 
     async def chat(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
@@ -121,7 +122,8 @@ class Routes:
                                                                                 len(ids)), sse_fail, self._account),
                                      media_type="text/event-stream")
         text, out, reason = await self._collect(handle)
-        return JSONResponse(api.chat_body(rid, model, text, reason, len(ids), len(out)), headers=_timing(handle, request))
+        return JSONResponse(api.chat_body(rid, model, text, reason, len(ids), len(out)),
+                            headers=_timing(handle, request))
 
     # ---------------------------------------------------------------- the rest
     async def models(self, request: Request) -> Response:
