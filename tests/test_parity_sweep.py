@@ -1,4 +1,5 @@
-"""Parity over configurations drawn at random (fixed seeds): model shapes (heads, grouped kv
+"""Parity over configurations drawn at random (fixed seeds), on the torch path and on the GPU's
+fused path (its kernels' torch references): model shapes (heads, grouped kv
 heads, head sizes, biases, tied embeddings, sliding windows, rope scaling) and engine settings
 (static or paged cache, block sizes and counts small enough to preempt, prefix reuse, chunk and
 padding lengths, slots), with requests submitted together, some a moment apart. Greedy tokens
@@ -51,12 +52,37 @@ def _engine_kw(rng: random.Random) -> dict:
     return kw
 
 
+def _fused(hf, tmp_path, attention: bool):
+    """The model over its packed copy (q/k/v and gate/up back to back where the packer's alignment
+    leaves them so: the fused views), for the Triton path's ops (their torch references on the
+    CPU); returns (model, a function that puts the plan on it, called after the engine's own kernel
+    checks, which turn it off without Triton). ``attention``: the flash-decoding attention too,
+    which takes head sizes that are powers of two from 16 (the GPU's kernel test leaves it off
+    for others)."""
+    from deployments.kernels.policy import KernelPlan
+    from weights import PackOptions, load, pack
+    hf.save_pretrained(tmp_path / "hf")
+    m = load(pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
+    attention = attention and model.config.head_dim >= 16
+
+    def plan() -> None:
+        model.kernels = KernelPlan(fused=True, attention=attention)
+    return model, plan
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 @pytest.mark.parametrize("seed", range(24))
-def test_random_configurations_give_transformers_tokens_and_their_own_alone(seed):
+def test_random_configurations_give_transformers_tokens_and_their_own_alone(seed, fused, tmp_path):
+    """``fused``: the GPU's path (one op for rope and the cache's writes in prefill and decode, the
+    flash-decoding attention in half the cases), through the kernels' torch references."""
     rng = random.Random(seed)
     arch, mkw = _model_kw(rng)
     hf, config = hf_model(arch, seed=seed, **mkw)
-    eng = Engine(build_model(config, state_tensors(hf)), None, EngineConfig(**_engine_kw(rng)))
+    model, plan = (_fused(hf, tmp_path, attention=seed % 4 < 2) if fused
+                   else (build_model(config, state_tensors(hf)), lambda: None))
+    eng = Engine(model, None, EngineConfig(**_engine_kw(rng)))
+    plan()
     eng.start()
     try:
         V = mkw["vocab_size"]
