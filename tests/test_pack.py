@@ -402,7 +402,10 @@ def _pack_again_cleans_up(src: Path, out: Path, caplog, leftovers: list[Path]) -
 def test_interrupted_pack_leaves_no_model_and_the_next_pack_cleans_up(tmp_path, caplog, sig):
     src = _big_source(tmp_path / "src")
     out = tmp_path / "out"
-    proc = _start_pack(src, out / "p")
+    # each write followed by a pause, so the signal always lands half-way (an unpaced pack of these
+    # 400 MB could end between the first bytes seen and the signal on a loaded machine)
+    pace = "real = packer._pwrite_all; packer._pwrite_all = lambda *a: (real(*a), time.sleep(0.3))"
+    proc = _start_pack(src, out / "p", pace)
     _wait_for("the pack writing", lambda: _writing(out))
     proc.send_signal(sig)
     proc.wait(timeout=60)
