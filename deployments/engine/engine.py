@@ -313,7 +313,7 @@ class Engine:
         else:  # padding rows among them: pick the live ones
             index = torch.tensor(slots, device=self.device)
             logits = logits.index_select(0, index)
-        toks = s.sample_on_device(seqs, logits)
+        toks = s.sample_step(seqs, logits)
         if toks is None:  # the batch's sampling failed: the rows one by one, in order after the last step's
             self._take_inflight()
             s.sample(seqs, logits)

@@ -279,8 +279,8 @@ class Scheduler:
             toks = self._sample_one_by_one(seqs, logits, args)
         self.take(seqs, toks, logits.dtype)
 
-    def sample_on_device(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | None:
-        """``sample`` left on the device: the tokens [R] (-1: not finite), for ``take`` once
+    def sample_step(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's tokens, ``sample`` left on the device: [R] (-1: not finite), for ``take`` once
         read back; None where sampling the batch failed (``sample`` row by row then finds the
         rows at fault)."""
         try:
