@@ -22,6 +22,27 @@ B=${BASELINE:-$PWD/.baseline}
 # chunks): as bench/engine.py's arguments, and as bench/throughput.py's --engine
 E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
 GPU_ENGINE='{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}'
+# engine_alone CONCURRENCY: that engine alone at CONCURRENCY (a,b,...): its tokens/s at each and the
+# work of its 128-concurrent run
+engine_alone() {
+  python3 bench/engine.py $W/packed $E --concurrency $1 --out "$out/engine-paged.json" 2>&1 \
+    | grep -E "^(tokens_per_s_b(${1//,/|})|work_b128) " | sed 's/^/engine /'
+}
+# engine_ab RUNS PROFILE PATTERN: that engine alone at 1, 64 and 128 concurrent, BASELINE (a plain
+# checkout of the commit before a change) beside this tree, alternating, RUNS times each (the first
+# run of each with --profile where PROFILE is 1); the lines of its output that match PATTERN
+engine_ab() {
+  local r=0 run side d p log
+  for run in $(seq $1); do for side in before after; do
+    d=$PWD; [ $side = before ] && d=$B
+    p=""; [ "$2" = 1 ] && [ $run = 1 ] && p=--profile
+    log=$W/engine-$side-$run.log
+    (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency 1,64,128 $p \
+      --out "$out/engine-$side-$run.json") > $log 2>&1 || { r=1; tail -20 $log; }
+    grep -E "$3" $log | sed "s/^/$side $run /"
+  done; done
+  return $r
+}
 rc=0
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -145,16 +166,14 @@ for stage in "$@"; do
     http-options) # the paged engine of serve_config.gpu.yaml alone, then through Ray Serve's HTTP front with
              # Ray Serve's defaults and with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (its replicas' own HTTP servers, user
              # code on the replica's event loop, request logs buffered), each in its own Ray instance
-             python3 bench/engine.py $W/packed $E --concurrency 64,128 --out "$out/engine-paged.json" 2>&1 \
-               | grep -E "^(tokens_per_s_b(64|128)|work_b128) " | sed 's/^/engine /'
+             engine_alone 64,128
              for env in "" RAY_SERVE_THROUGHPUT_OPTIMIZED=1; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
                  --engine "$GPU_ENGINE" 2>&1 \
                  | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
     http-clients) # http-options at 128 concurrent with the requests sent by 8 client processes from one instant
              # (bench/throughput.py --clients 8): Ray Serve's throughput-optimized mode first, then its defaults
-             python3 bench/engine.py $W/packed $E --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
-               | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
+             engine_alone 128
              for env in RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ""; do
                python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 2 --clients 8 \
                  ${env:+--env $env} --engine "$GPU_ENGINE" \
@@ -166,8 +185,7 @@ for stage in "$@"; do
              # /stats sampled every 20 ms (when the whole burst was in the engine); each in its own Ray instance.
              # HTTP_SWITCH_MS=N adds a variant, twice, alternating with the defaults: Python's switch interval at
              # N ms in every Ray process (a sitecustomize on their PYTHONPATH)
-             python3 bench/engine.py $W/packed $E --concurrency 128 --out "$out/engine-paged.json" 2>&1 \
-               | grep -E "^(tokens_per_s_b128|work_b128) " | sed 's/^/engine /'
+             engine_alone 128
              envs=${HTTP_ENVS:-}
              if [ -n "${HTTP_SWITCH_MS:-}" ]; then
                mkdir -p $W/switch && echo "import sys; sys.setswitchinterval($HTTP_SWITCH_MS / 1000)" > $W/switch/sitecustomize.py
@@ -191,13 +209,7 @@ for stage in "$@"; do
                2>&1 | grep -E "concurrent:" ;;
     engine-ab) # the paged engine of serve_config.gpu.yaml at 1, 64 and 128 concurrent, BASELINE (a plain checkout
              # of the commit before a change) beside this tree, alternating, AB_RUNS (default 1) times each
-             r=0; for run in $(seq ${AB_RUNS:-1}); do for side in before after; do
-               d=$PWD; [ $side = before ] && d=$B
-               log=$W/engine-ab-$side-$run.log
-               (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency 1,64,128 \
-                 --out "$out/engine-$side-$run.json") > $log 2>&1 || { r=1; tail -20 $log; }
-               grep -E "^(tokens_per_s_b(64|128)|decode_ms_per_token_b1|ttft_ms_b1|work_b128) " $log | sed "s/^/$side $run /"
-             done; done; (exit $r) ;;
+             engine_ab ${AB_RUNS:-1} 0 "^(tokens_per_s_b(64|128)|decode_ms_per_token_b1|ttft_ms_b1|work_b128) " ;;
     prefill-kernels) # a shared prefill's device time by kernel: 16 fresh 128-token prompts in one forward (the
              # engine's 2048-token chunk), then 32 (a 4096-token one)
              for rows in 16 32; do python3 bench/prefill_kernels.py $W/packed --rows $rows \
@@ -212,14 +224,7 @@ for stage in "$@"; do
              # or (lookahead-http) through Ray Serve's HTTP front, each side in its own Ray instance
              G="^(tokens_per_s_b(1|64|128)|work_b128|profile (tokens_per_s|wall_ms_per_step|decode_device_ms_per_step|decode_device_share|prefill_device_share)) "
              r=0
-             if [ $stage = lookahead ]; then for run in 1 2; do for side in before after; do
-               d=$PWD; [ $side = before ] && d=$B
-               p=""; [ $run = 1 ] && p=--profile
-               log=$W/engine-$side-$run.log
-               (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency 1,64,128 $p \
-                 --out "$out/engine-$side-$run.json") > $log 2>&1 || { r=1; tail -20 $log; }
-               grep -E "$G" $log | sed "s/^/$side $run /"
-             done; done
+             if [ $stage = lookahead ]; then engine_ab 2 1 "$G" || r=1
              else for side in before after; do
                d=$PWD; [ $side = before ] && d=$B
                (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/throughput.py --packed $W/packed --out "$out/http-$side" \
