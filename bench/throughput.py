@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--num-gpus", type=float, default=1, help="0: check the script on a CPU machine")
     ap.add_argument("--clients", type=int, default=8, metavar="N",
                     help="client processes that share each burst's requests out, all sent from one instant "
-                         "(1: this process sends them all, as this bench did before 2026-12-05)")
+                         "(1: this process sends them all)")
     ap.add_argument("--sample-s", type=float, default=0, metavar="S",
                     help="sample the replica's /stats every S seconds during each burst (its capacity share, "
                          "running and waiting sequences, free KV blocks)")
