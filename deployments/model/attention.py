@@ -57,6 +57,10 @@ class AttnContext:
     # layer (the rows' slots, the written positions' blocks and offsets, the blocks read back)
     paged_index: dict = field(default_factory=dict)
 
+    def prefill_slots(self, device: torch.device) -> torch.Tensor:
+        """A prefill's cache slot of each row: ``slots``, or the one ``slot`` (on ``device``)."""
+        return self.slots if self.slots is not None else torch.tensor([self.slot], device=device)
+
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnContext | None) -> torch.Tensor:
     """F.linear, or the Triton GEMV for one row when the model chose it for w's shape."""
@@ -148,7 +152,7 @@ class Attention(nn.Module):
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
         cache, at = ctx.cache, ctx.paged_index
         if "tokens" not in at:  # (one set for every layer of the forward)
-            rows = ctx.slots if ctx.slots is not None else torch.tensor([ctx.slot], device=x.device)
+            rows = ctx.prefill_slots(x.device)
             at.update(rows=rows, read=cache.table_rows(rows, ctx.start + S),
                       # token row r (prompt r // S) writes through its prompt's row of the table
                       tokens=cache.block_table[rows].repeat_interleave(S, 0),
@@ -229,7 +233,7 @@ class Attention(nn.Module):
         at = ctx.paged_index
         if ctx.mode == "prefill":  # one prompt's chunk into slot, or several prompts' (row b into slots[b])
             if not at:
-                rows = ctx.slots if ctx.slots is not None else torch.tensor([ctx.slot], device=dev)
+                rows = ctx.prefill_slots(dev)
                 positions = torch.arange(ctx.start, ctx.start + S, device=dev).expand(B, S)
                 at.update(rows=rows, write=cache.locate(rows, positions),
                           read=cache.table_rows(rows, ctx.start + S) if ctx.start else None)
