@@ -54,4 +54,5 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         deployment = LLMDeployment.options(placement_group_bundles=a.bundles(),
                                            placement_group_strategy="STRICT_PACK")
     # a relative model path is resolved where `serve run` was started, not in the replica
-    return deployment.bind(**a.model_copy(update={"model": str(a.model_path())}).model_dump())
+    model = a.model if a.is_remote() else str(a.model_path())
+    return deployment.bind(**a.model_copy(update={"model": model}).model_dump())

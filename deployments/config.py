@@ -45,7 +45,9 @@ class DeploymentArgs(BaseModel):
 
     model: str = Field("weights/demo", strict=True)
     """Packed model directory; a relative path is taken from COLDSTART_HOME, else from the
-    directory `serve run` was started in."""
+    directory `serve run` was started in. Or a packed model in object storage or on an HTTP
+    server (`s3://bucket/path`, `gs://...`, `https://...`, put there by `coldstart push`): each
+    node fetches it once, from its peers where they hold it, into its cache (COLDSTART_CACHE_DIR)."""
     model_name: str | None = Field(None, strict=True)
     """Model id in the OpenAI API (default: the directory's name)."""
     device: str = Field("auto", strict=True)
@@ -62,6 +64,12 @@ class DeploymentArgs(BaseModel):
     rank 0, the others are Ray actors in its placement group)."""
     fault_injection: bool = Field(False, strict=True)
     """Enable POST /admin/fault for drills (stops the engine loop, so health checks fail)."""
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        from weights.remote import check_uri, is_remote
+        return check_uri(v) if is_remote(v) else v
 
     @field_validator("device")
     @classmethod
@@ -83,7 +91,21 @@ class DeploymentArgs(BaseModel):
         one = {"CPU": 1.0} if self.device == "cpu" else {"CPU": 1.0, "GPU": 1.0}
         return [dict(one) for _ in range(self.tp)]
 
+    def is_remote(self) -> bool:
+        """Whether ``model`` is a URI (object storage, HTTP), not a directory on the node."""
+        from weights.remote import is_remote
+        return is_remote(self.model)
+
+    def model_label(self) -> str:
+        """The model's id in the API: ``model_name``, else the directory's (or URI path's) last name."""
+        if self.model_name:
+            return self.model_name
+        from weights.remote import model_name
+        return model_name(self.model) if self.is_remote() else self.model_path().name
+
     def model_path(self) -> Path:
+        if self.is_remote():
+            raise ValueError(f"{self.model} is remote: it has a path only on a node that fetched it")
         p = Path(self.model).expanduser()
         if not p.is_absolute():
             p = Path(envs.read("COLDSTART_HOME") or os.getcwd()) / p

@@ -30,6 +30,16 @@ def _text(name: str, v: str) -> str:
     return v.strip()
 
 
+def _gigabytes(name: str, v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = -1.0
+    if not x >= 0:
+        raise ValueError(f"{name}={v!r}: give a size in GB (a number >= 0; 0 for no limit but the disk)")
+    return x
+
+
 @dataclass(frozen=True)
 class Var:
     name: str
@@ -58,6 +68,12 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "yet: on a new node the disk then works from Ray's first moments of the worker instead of from the "
         "replica's constructor, seconds later. `coldstart serve --model` and serve_config.gpu.yaml set it to "
         "`args.model`; empty: the constructor starts that read (`load.trickle`).", "path"),
+    Var("COLDSTART_CACHE_DIR", "", _text, "Where a node keeps the remote packed models its replicas fetched "
+        "(`args.model` an `s3://`, `gs://` or `https://` URI), each under the digest of its index, for the "
+        "node's next replicas and its peers; empty for `~/.cache/coldstart/models`. Put it on local NVMe "
+        "with room for the models.", "path"),
+    Var("COLDSTART_CACHE_MAX_GB", "0", _gigabytes, "The node cache's size limit in GB: before a transfer, the "
+        "least recently used models are removed until the new one fits; 0 for no limit but the disk.", "GB"),
     Var("CUDA_MODULE_LOADING", "LAZY", _text, "CUDA's own: LAZY (serve_config.yaml sets it, and torch's "
         "default) loads each kernel at its first use, so a context is made in ~0.4 s instead of seconds; a "
         "replica warns where it is anything else.", "LAZY / EAGER"),

@@ -1,4 +1,5 @@
-"""What a node keeps for its next replicas: files beside Triton's compiled kernels.
+"""What a node keeps for its next replicas: remote packed models (``model_cache``, the directory
+``weights.cache`` manages) and files beside Triton's compiled kernels.
 
 Triton keeps the kernels it compiles in its cache directory (TRITON_CACHE_DIR, else
 TRITON_HOME or the home directory, ``.triton/cache``), which lives as long as the node (or
@@ -12,9 +13,12 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from deployments import envs
+
+if TYPE_CHECKING:
+    from weights.cache import NodeCache
 
 
 def triton_cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -22,6 +26,13 @@ def triton_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     if envs.read("TRITON_CACHE_DIR", env):
         return Path(envs.read("TRITON_CACHE_DIR", env))
     return Path(envs.read("TRITON_HOME", env) or os.path.expanduser("~")) / ".triton" / "cache"
+
+
+def model_cache(env: Mapping[str, str] | None = None) -> "NodeCache":
+    """The node's cache of remote packed models (COLDSTART_CACHE_DIR, COLDSTART_CACHE_MAX_GB)."""
+    from weights.cache import NodeCache, default_root
+    root = envs.read("COLDSTART_CACHE_DIR", env)
+    return NodeCache(Path(root) if root else default_root(), int(envs.read("COLDSTART_CACHE_MAX_GB", env) * 1e9))
 
 
 def write_kept(path: str | os.PathLike, text: str) -> OSError | None:

@@ -90,7 +90,7 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 MAGIC = b"CLDSTRT\x00"
 FORMAT_VERSION = 1
@@ -322,35 +322,45 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
                                 f"`coldstart pack HF_DIR {p.parent}`")
     size = p.stat().st_size
     with open(p, "rb") as f:
-        pre = f.read(PREAMBLE_BYTES)
-        if len(pre) < _PREAMBLE.size or pre[:8] != MAGIC:
-            raise _fail(p, f"not a coldstart packed file (magic {pre[:8]!r}, expected {MAGIC!r}); "
+        def read(off: int, n: int) -> bytes:
+            f.seek(off)
+            return f.read(n)
+        return parse_packed(p, size, read)
+
+
+def parse_packed(p: Path, size: int, read: "Callable[[int, int], bytes]", where: str | None = None) -> PackedFile:
+    """The checks of ``read_packed`` over a file of ``size`` bytes read through ``read(offset,
+    length)`` (a local file, or a remote one by ranged reads); ``p`` is the path the returned
+    ``PackedFile`` names, ``where`` what messages name (default ``p``)."""
+    shown = Path(where) if where is not None else p
+    pre = read(0, PREAMBLE_BYTES)
+    if len(pre) < _PREAMBLE.size or pre[:8] != MAGIC:
+        raise _fail(shown, f"not a coldstart packed file (magic {pre[:8]!r}, expected {MAGIC!r}); "
                            "re-create it with `coldstart pack`")
-        magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
-            _PREAMBLE.unpack_from(pre)
-        if len(pre) == PREAMBLE_BYTES and version <= FORMAT_VERSION:
-            want_crc = struct.unpack_from("<I", pre, _CRC_AT)[0]
-            if zlib.crc32(pre[:_CRC_AT]) != want_crc:
-                raise _fail(p, "header is corrupt (preamble crc32 mismatch); re-pack or re-copy the file")
-        if version > FORMAT_VERSION:
-            raise _fail(p, f"format version {version} is newer than this coldstart reads "
+    magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
+        _PREAMBLE.unpack_from(pre)
+    if len(pre) == PREAMBLE_BYTES and version <= FORMAT_VERSION:
+        want_crc = struct.unpack_from("<I", pre, _CRC_AT)[0]
+        if zlib.crc32(pre[:_CRC_AT]) != want_crc:
+            raise _fail(shown, "header is corrupt (preamble crc32 mismatch); re-pack or re-copy the file")
+    if version > FORMAT_VERSION:
+        raise _fail(shown, f"format version {version} is newer than this coldstart reads "
                            f"(up to {FORMAT_VERSION}); upgrade coldstart")
-        if version < 1:
-            raise _fail(p, f"format version {version} is invalid; re-pack the model")
-        if len(pre) < PREAMBLE_BYTES:
-            raise _fail(p, f"truncated: {size} bytes, shorter than the {PREAMBLE_BYTES}-byte header")
-        if data_off != PREAMBLE_BYTES or data_bytes % ALIGN or index_off != data_off + data_bytes:
-            raise _fail(p, "header is inconsistent (data region offsets); re-pack the model")
-        expected = index_off + index_bytes
-        if size != expected:
-            kind = "truncated" if size < expected else "has trailing bytes"
-            raise _fail(p, f"{kind}: file is {size} bytes, header says {expected}; "
+    if version < 1:
+        raise _fail(shown, f"format version {version} is invalid; re-pack the model")
+    if len(pre) < PREAMBLE_BYTES:
+        raise _fail(shown, f"truncated: {size} bytes, shorter than the {PREAMBLE_BYTES}-byte header")
+    if data_off != PREAMBLE_BYTES or data_bytes % ALIGN or index_off != data_off + data_bytes:
+        raise _fail(shown, "header is inconsistent (data region offsets); re-pack the model")
+    expected = index_off + index_bytes
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise _fail(shown, f"{kind}: file is {size} bytes, header says {expected}; "
                            "re-copy or re-pack the model")
-        f.seek(index_off)
-        raw = f.read(index_bytes)
+    raw = read(index_off, index_bytes)
     if hashlib.sha256(raw).digest() != index_sha:
-        raise _fail(p, "index is corrupt (sha256 mismatch); re-pack or re-copy the file")
-    index = _parse_index(p, raw, data_bytes)
+        raise _fail(shown, "index is corrupt (sha256 mismatch); re-pack or re-copy the file")
+    index = _parse_index(shown, raw, data_bytes)
     if "tp" in index.metadata:
         from .tp import check_rank
         check_rank(p, index.metadata["tp"])

@@ -36,8 +36,11 @@ import numpy as np
 import torch
 
 from . import checksum, readahead, stream
+from .cache import NodeCache, default_root
+from .fetch import Fetch, resolve
 from .format import DTYPES, PackedFile, check_side_files, read_json, read_packed
 from .options import LoadOptions
+from .remote import is_remote
 from .segments import one_segment
 from .timing import PhaseTimer
 from .tp import rank_path
@@ -83,16 +86,19 @@ def check_fits(need: int, free: int, total: int, device: str, headroom: int = 0)
 
 
 def load(path: str | os.PathLike, device: str | torch.device | None = None, *, rank: int | None = None,
-         options: LoadOptions | None = None, timer: PhaseTimer | None = None) -> LoadedModel:
+         options: LoadOptions | None = None, timer: PhaseTimer | None = None,
+         cache: NodeCache | None = None) -> LoadedModel:
     """Load a packed model directory into one buffer on ``device``.
 
     Args:
-        path: packed model directory (or its ``model.cst``), or with ``rank`` a split pack's.
+        path: packed model directory (or its ``model.cst``), or with ``rank`` a split pack's; or
+            a remote one's URI (``s3://``, ``gs://``, ``https://``; see ``start_load``).
         device: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``; ``None`` (the default) is the GPU
             where torch sees one, else the CPU.
         rank: load rank ``rank``'s part of the split pack ``path`` (``coldstart pack --tp N``).
         options: ``LoadOptions``.
         timer: a ``PhaseTimer`` to record phases into (a new one by default).
+        cache: the node cache a remote model is kept in (``weights.cache.NodeCache``).
     Returns:
         ``LoadedModel`` whose ``tensors`` map every name (aliases included) to a
         view of ``buffer``.
@@ -109,7 +115,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None, *, r
         >>> m = load("weights/demo", "cpu")
         >>> m.tensors["model.embed_tokens.weight"].shape
     """
-    return start_load(path, device, rank=rank, options=options, timer=timer).wait()
+    return start_load(path, device, rank=rank, options=options, timer=timer, cache=cache).wait()
 
 
 class PendingLoad:
@@ -193,9 +199,9 @@ class PendingLoad:
                            self.timer)
 
 
-def start_load(path: str | os.PathLike, device: str | torch.device | None = None, *, rank: int | None = None,
-               options: LoadOptions | None = None, timer: PhaseTimer | None = None,
-               hold: bool = False) -> PendingLoad:
+def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | None = None, *,
+               rank: int | None = None, options: LoadOptions | None = None, timer: PhaseTimer | None = None,
+               hold: bool = False, cache: NodeCache | None = None) -> PendingLoad:
     """Start loading a packed model (see ``load``; ``rank``: one rank's part of a split pack)
     and return as soon as the device buffer is allocated and its tensor views exist;
     ``PendingLoad.wait()`` finishes the load. ``device=None`` is the GPU where torch sees one,
@@ -206,12 +212,30 @@ def start_load(path: str | os.PathLike, device: str | torch.device | None = None
     memory map and its verification, done before this returns. Errors found up front (a
     bad file, a side file that does not match the index, too little device memory) raise
     here; later ones from ``wait()``.
+
+    ``path`` may be a remote packed model (``s3://...``, ``https://...``: ``weights.remote``) or
+    the ``Fetch`` of one (``weights.fetch.resolve``): a node that holds it in ``cache`` (default
+    ``~/.cache/coldstart/models``) loads that copy; otherwise its bytes stream from the source
+    into the device buffer and the cache in one pass (on the CPU: into the cache, then mapped).
     """
     opts = options or LoadOptions()
     timer = timer or PhaseTimer()
     dev = _device(device)
+    fetch = None
+    if isinstance(path, str) and is_remote(path):
+        with timer.phase("resolve"):
+            path = resolve(path, cache or NodeCache(default_root()), rank=rank)
+    if isinstance(path, Fetch):
+        fetch, path = path, path.entry
+        if dev.type == "cpu":  # the CPU load maps the cache's file: the transfer first, whole
+            with timer.phase("fetch", nbytes=fetch.packed.data_bytes):
+                fetch.run(opts.cold_threads, _piece_bytes(opts, fetch.packed), fetch.start)
+            fetch = None
     with timer.phase("open"):
-        packed = read_packed(path if rank is None else rank_path(path, rank))
+        if fetch is not None:
+            packed = fetch.packed  # (its file is still arriving; the header came from the source)
+        else:
+            packed = read_packed(path if rank is None else rank_path(path, rank))
         note = check_side_files(packed)  # before any weight byte is read (they are small)
         if note:
             log.warning(note)
@@ -220,7 +244,12 @@ def start_load(path: str | os.PathLike, device: str | torch.device | None = None
     if dev.type == "cpu":
         return PendingLoad(d, packed, dev, _load_cpu(packed, opts, timer), config, timer)
     if dev.type == "cuda":
-        buffer, work = _start_cuda(packed, dev, opts, timer)
+        try:
+            buffer, work = _start_cuda(packed, dev, opts, timer, fetch)
+        except BaseException:
+            if fetch is not None:
+                fetch.abort()
+            raise
         return PendingLoad(d, packed, buffer.device, buffer, config, timer, work, hold=hold)
     raise ValueError(f"device={device!r}: only cpu and cuda are supported")
 
@@ -272,10 +301,17 @@ def _load_cpu(packed: PackedFile, opts: LoadOptions, timer: PhaseTimer) -> torch
     return buffer
 
 
+def _piece_bytes(opts: LoadOptions, packed: PackedFile) -> int:
+    """A remote transfer's piece: whole chunks, at least ``cold_read_bytes``."""
+    cb = packed.index.chunk_bytes
+    return max(cb, -(-opts.cold_read_bytes // cb) * cb)
+
+
 def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
-                timer: PhaseTimer) -> tuple[torch.Tensor, Callable[[], None]]:
+                timer: PhaseTimer, fetch: Fetch | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
     """Allocate the device buffer (after checking it fits); return it and the work that
-    fills and verifies it, for the load's own thread."""
+    fills and verifies it, for the load's own thread (``fetch``: a remote model's transfer, each
+    piece checked on the host as it lands, into the node cache too)."""
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     n = packed.data_bytes
@@ -293,6 +329,9 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
         # the page faults of whatever the caller's thread still runs on torch's and CUDA's
         # libraries: with it started before the views, a cold replica took seconds instead
         # of milliseconds to make them)
+        if fetch is not None:
+            _fetch_work(packed, buffer, dev, opts, timer, fetch)
+            return
         readahead.stop_trickle(packed.path)  # the caller's gentle reader, if any: from here on, these reads
         o = _settings_for_cache(packed, opts) if opts.adapt else opts  # what is in the page cache now
         if o.readahead and not o.direct_io:
@@ -310,6 +349,22 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
             with timer.phase("verify", nbytes=n):
                 verifier.finish()
     return buffer, work
+
+
+def _fetch_work(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
+                timer: PhaseTimer, fetch: Fetch) -> None:
+    """A remote model's bytes into the device buffer and the node cache: the cold settings' threads,
+    pieces of whole chunks (each checked as it lands, so no device verifier), then the cache's file
+    takes its name; any failure removes it."""
+    torch.cuda.set_device(dev)
+    o = opts.model_copy(update={"threads": opts.cold_threads, "read_bytes": _piece_bytes(opts, packed)})
+    try:
+        with timer.phase("fetch", nbytes=packed.data_bytes):
+            stream.stream_into(packed, buffer, dev, o, stream.cudart(), None, fetch)
+        fetch.commit()
+    except BaseException:
+        fetch.abort()
+        raise
 
 
 def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:

@@ -9,12 +9,16 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import checksum
 from .format import PackedFile, PackedFormatError
 from .options import LoadOptions
+
+if TYPE_CHECKING:
+    from .fetch import Fetch
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +154,17 @@ class Slots:
 
 
 def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
-                 rt, verifier: DeviceVerifier | None) -> None:
+                 rt, verifier: DeviceVerifier | None, fetch: "Fetch | None" = None) -> None:
+    """Fill ``buffer`` with the data region: from the file, or through ``fetch`` (a remote model's
+    transfer, ``weights.fetch``: its pieces, each checked as it lands, in its order; no verifier)."""
     n, step = packed.data_bytes, opts.read_bytes
-    pieces = [(off, min(step, n - off)) for off in range(0, n, step)]
+    if fetch is not None:
+        pieces = fetch.pieces(step, fetch.start)
+        step = max(length for _, length in pieces)
+    else:
+        pieces = [(off, min(step, n - off)) for off in range(0, n, step)]
     nthreads = min(opts.threads, len(pieces))
-    fd, direct = _open(packed.path, opts.direct_io)
+    fd, direct = _open(packed.path, opts.direct_io) if fetch is None else (-1, False)
     errors: list[BaseException] = []
     stop = threading.Event()
     # piece j goes to thread j % nthreads: together the threads sweep the file front
@@ -184,7 +194,10 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                     return
                 s = i % len(slots.views)
                 landed(k, slots.wait(s))
-                _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
+                if fetch is not None:
+                    fetch.read_into(slots.views[s], off, length)
+                else:
+                    _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
                 slots.copy(s, off, length)
             for s in range(len(slots.views)):
                 slots.wait(s)
@@ -201,7 +214,8 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
         for t in threads:
             t.join()
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         for sl in all_slots:
             sl.close()
         if errors and verifier is not None:

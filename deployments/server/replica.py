@@ -58,7 +58,7 @@ class LLMServer:
         self.ranks = getattr(self.started, "ranks", None)  # a tensor-parallel replica's other ranks
         self.engine, self.tokenizer, self.model = self.started.engine, self.started.tokenizer, self.started.model
         self.device, self.loaded = self.started.device, self.started.loaded
-        self.model_name = self.args.model_name or self.args.model_path().name
+        self.model_name = self.args.model_label()
 
     def reconfigure(self, user_config: dict | None) -> None:
         """Run the warm-up plan; the replica is warm (and healthy) only after the first one.

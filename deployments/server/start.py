@@ -55,10 +55,11 @@ class Start:
     def __init__(self, args: DeploymentArgs, timer: PhaseTimer, *, own_process: bool = False, rank: int = 0,
                  rendezvous: str | None = None):
         self.args, self.timer, self.own_process = args, timer, own_process
-        self.path = args.model_path()
         self.rank, self.tp, self.leader = rank, args.tp, rank == 0
+        self.remote = args.is_remote()
+        self.fetch: Any = None  # a remote model's transfer into this node's cache (weights.fetch.Fetch)
+        self._set_path(None if self.remote else args.model_path())
         self.rendezvous = rendezvous  # tcp://host:port of rank 0's process-group store (tp > 1)
-        self.weights_dir = self.path if self.tp == 1 else self.path / rank_dir(rank)  # this rank's model.cst
         self.ranks: Any = None  # rank 0: the other ranks (deployments.server.ranks.Ranks)
         self.group: Any = None  # the model's torch.distributed group (tp > 1)
         self.channel: Any = None  # rank 0's calls to the other ranks (deployments.engine.mirror.Channel)
@@ -74,11 +75,16 @@ class Start:
         self.overlap = False  # the engine is built while the weights arrive
         self.side: dict[str, Any] = {}  # the side threads' tasks (deployments.startup.side.SideTask)
 
+    def _set_path(self, path: Any) -> None:
+        self.path = path  # the packed model's directory on this node (a remote one's cache entry)
+        self.weights_dir = None if path is None else path if self.tp == 1 else path / rank_dir(self.rank)
+
     def steps(self) -> list[Step]:
         split = self.tp > 1
         lead = self.leader
         return [
             Step("ranks", self.launch_ranks, lambda: lead and split),  # the other ranks start beside this one
+            Step("resolve", self.resolve, lambda: self.remote),  # a remote model: the node's copy, or its transfer
             Step("imports", self.imports),            # trickle, side threads, torch and the engine's modules
             Step("context", self.context),            # the device, its preflight checks and its CUDA context
             Step("tp_group", self.join_group, lambda: split),  # every rank joins the model's process group
@@ -130,7 +136,10 @@ class Start:
             self.pending.cancel()
             with contextlib.suppress(BaseException):
                 self.pending.wait()
-        stop_trickle(self.weights_dir)
+        if self.fetch is not None:
+            self.fetch.abort()  # (a no-op once it completed)
+        if self.weights_dir is not None:
+            stop_trickle(self.weights_dir)
         if self.engine is not None:
             self.engine.shutdown()
         if self.ranks is not None:
@@ -138,6 +147,24 @@ class Start:
         early.resume_gc(freeze=False)
 
     # ---------------------------------------------------------------- steps
+    def resolve(self) -> None:
+        """A remote model: the entry of this node's cache that holds it, or (where none does) the
+        transfer that brings it, from the other nodes and the source, as the load reads it."""
+        from deployments.node_cache import model_cache
+        from weights.fetch import Fetch, resolve
+        cache = model_cache()
+        peers = _peers(cache.root)
+        got = resolve(self.args.model, cache, rank=self.rank if self.tp > 1 else None, peers=peers)
+        if isinstance(got, Fetch):
+            self.fetch = got
+            if peers is not None:
+                got.start = peers.start_piece(len(got.pieces(self.opts.cold_read_bytes)))
+            log.info("%s: not on this node; fetching %.2f GB into %s", self.args.model,
+                     got.packed.file_bytes / 1e9, got.entry)
+            self._set_path(got.entry)
+        else:
+            self._set_path(got)
+
     def imports(self) -> None:
         from deployments.device import gpu_expected
         from deployments.startup import context, triton_setup
@@ -189,10 +216,10 @@ class Start:
     def start_load(self) -> None:
         from deployments.model import is_native
         from weights import loader
-        if self.ranks is None:  # (rank 0 of several checked it before it launched the others)
+        if self.ranks is None and self.fetch is None:  # (rank 0 of several checked it before it launched the others)
             check_pack(self.path, self.tp)
         self._t_load = time.perf_counter()
-        self.pending = loader.start_load(self.path, self.device, rank=self.rank if self.tp > 1 else None,
+        self.pending = loader.start_load(self.fetch or self.path, self.device, rank=self.rank if self.tp > 1 else None,
                                          options=self.opts, timer=self.timer, hold=self.trickling)
         native = is_native(self.pending.config)
         # transformers' classes may copy the weights as they take them: only a native model is
@@ -238,7 +265,8 @@ class Start:
     # ---------------------------------------------------------------- a tensor-parallel replica's steps
     def launch_ranks(self) -> None:
         from deployments.server.ranks import Ranks
-        check_pack(self.path, self.tp)  # before N-1 processes start for nothing
+        if not self.remote:  # (a remote split pack: each rank's transfer checks its own file)
+            check_pack(self.path, self.tp)  # before N-1 processes start for nothing
         self.ranks = Ranks.launch(self.args, type(self))
 
     def join_group(self) -> None:
@@ -277,6 +305,19 @@ class Start:
         that failed fails the start, naming its rank."""
         self.channel.send(("load_wait", ()))
         self.ranks.loaded(self.channel.gather(None))
+
+
+def _peers(root: Any) -> Any:
+    """This node's peer service and the other nodes' (``deployments.peers``), where the process is
+    part of a Ray cluster; None elsewhere (the transfer then reads from the source alone)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    from deployments.peers import RayPeers
+    return RayPeers(root)
 
 
 def check_pack(path: Any, tp: int) -> None:

@@ -116,7 +116,10 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
             app["args"] = {**(app.get("args") or {}), "model": str(model)}
             # the worker setup hook starts reading its weights on a node where they are not cached
             env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-            env["COLDSTART_EARLY_WEIGHTS"] = str(model)
+            if isinstance(model, Path):
+                env["COLDSTART_EARLY_WEIGHTS"] = str(model)
+            else:  # a remote model arrives through the node cache, not a file to read ahead
+                env.pop("COLDSTART_EARLY_WEIGHTS", None)
         if tp is not None:
             app["args"] = {**(app.get("args") or {}), "tp": tp}
     for app in apps:
@@ -138,12 +141,16 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
-def model_to_serve(path: str | Path, tp: int | None) -> tuple[Path, int | None]:
+def model_to_serve(path: str | Path, tp: int | None) -> tuple[Path | str, int | None]:
     """``path`` as an absolute packed model directory and the ranks it is served on (None: as the
     config says, one), checked before Ray starts: one model (``packed_model``), or a split pack
-    whose every rank's file reads (served over as many ranks; ``tp``, where given, must agree)."""
+    whose every rank's file reads (served over as many ranks; ``tp``, where given, must agree).
+    A remote model (``s3://...``) stays its URI, its header read and checked at the source."""
     from weights.format import read_packed
+    from weights.remote import is_remote
     from weights.tp import is_split_pack, rank_path, read_manifest
+    if is_remote(str(path)):
+        return remote_to_serve(str(path), tp)
     p = Path(path).expanduser().resolve()
     if not is_split_pack(p):
         packed_model(p)
@@ -221,6 +228,37 @@ def capacity_notes(args: Any, dep: dict) -> list[str]:
         out.append(f"max_ongoing_requests {most} is below engine.max_slots {slots}: {slots - most} of each "
                    f"replica's slots never fill; raise it to {slots} or more")
     return out
+
+
+def remote_to_serve(uri: str, tp: int | None) -> tuple[str, int | None]:
+    """A remote model's URI and ranks, its weight file's (or every rank's) header checked at the source."""
+    import json as _json
+
+    from weights.fetch import read_header, weight_rel
+    from weights.format import TP_MANIFEST
+    from weights.remote import Origin
+    origin = Origin(uri)
+    if origin.exists(TP_MANIFEST):
+        size = int(_json.loads(origin.get(TP_MANIFEST))["size"])
+        if tp is not None and tp != size:
+            raise ValueError(f"--tp {tp}: {uri} is split over {size} ranks; leave --tp out (it is read from the pack)")
+        for k in range(size):
+            read_header(origin, weight_rel(k), Path("/") / weight_rel(k))
+        return origin.uri, size
+    read_header(origin, weight_rel(None), Path("/") / weight_rel(None))
+    if tp not in (None, 1):
+        raise ValueError(f"--tp {tp}: {uri} is one unsplit model; pack it for {tp} ranks with `coldstart pack SRC "
+                         f"DEST --tp {tp}` and push that, or leave --tp out")
+    return origin.uri, tp
+
+
+def _cmd_push(a: argparse.Namespace) -> int:
+    """Upload a packed model (checked first: structure and every chunk) to object storage."""
+    from weights.remote import push
+    names = push(a.dir, a.uri)
+    print(f"pushed {len(names)} files of {a.dir} to {a.uri.rstrip('/')}; serve it with "
+          f"`coldstart serve --model {a.uri.rstrip('/')} serve_config.gpu.yaml`")
+    return 0
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
@@ -362,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(fn=_cmd_verify)
 
+    p = sub.add_parser("push", help="upload a packed model to object storage (s3://, gs://), for any node to serve")
+    p.add_argument("dir", help="a packed model directory (checked before the upload)")
+    p.add_argument("uri", help="where it goes, e.g. s3://models/llama-2-7b (credentials: the client's own, "
+                               "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_ENDPOINT_URL, an instance role)")
+    p.set_defaults(fn=_cmd_push)
+
     p = sub.add_parser("demo", help="write a random Llama checkpoint (HF format) for tests/benchmarks")
     p.add_argument("dest")
     from weights.demo import SHAPES
@@ -378,9 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="`serve run` the config (making the demo model if it serves the demo)")
     p.add_argument("--gpus", type=float, default=None,
                    help="GPUs per replica (the default config asks for none: CPU)")
-    p.add_argument("--model", metavar="DIR",
-                   help="a packed model directory to serve instead of the config's args.model (a split "
-                        "pack is served over its ranks)")
+    p.add_argument("--model", metavar="DIR|URI",
+                   help="a packed model directory, or one in object storage (s3://..., https://...), to serve "
+                        "instead of the config's args.model (a split pack is served over its ranks)")
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor-parallel ranks per replica (one GPU each, one node); read from a split "
                         "pack given with --model")

@@ -1,0 +1,224 @@
+"""Remote packed models without Ray: a real S3-speaking server (moto, its own process) and a plain
+HTTP range server, pushed to, fetched from, with faults mid-transfer, on the wire and in the cache."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers_remote import RangeServer, make_bucket, no_partials, s3_server
+from weights import PackOptions, load, pack
+from weights.cache import CacheFullError, NodeCache
+from weights.fetch import Fetch, resolve
+from weights.remote import RemoteError, check_uri, push
+
+CHUNK = 64 << 10  # many chunks in a tiny model: pieces, faults and peers have something to work on
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with s3_server(tmp_path_factory.mktemp("s3") / "moto.log") as url:
+        make_bucket("models")
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_hf, tmp_path_factory) -> Path:
+    return pack(tiny_hf, tmp_path_factory.mktemp("chunked") / "tiny", PackOptions(progress=False, chunk_bytes=CHUNK))
+
+
+@pytest.fixture
+def served(chunked, tmp_path):
+    """The chunked model under a plain HTTP range server of its own (a copy: tests may damage it)."""
+    root = tmp_path / "www"
+    shutil.copytree(chunked, root / "tiny")
+    srv = RangeServer(root, tmp_path / "range.log").start()
+    yield srv
+    srv.stop()
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)
+
+
+def test_a_pushed_model_loads_from_s3_into_the_node_cache_and_then_from_it(s3, chunked, tmp_path):
+    uri = "s3://models/a/tiny"
+    assert "model.cst" in push(chunked, uri)
+    cache = NodeCache(tmp_path / "cache")
+    m = load(uri, "cpu", cache=cache)
+    assert _same(m, load(chunked, "cpu"))
+    assert (m.path / "model.cst").is_file() and m.path.is_relative_to(cache.root)
+    assert "fetch" in [p.name for p in m.timer.phases]
+    again = load(uri, "cpu", cache=cache)  # the node's copy: nothing fetched
+    assert again.path == m.path and "fetch" not in [p.name for p in again.timer.phases]
+    assert not no_partials(cache.root)
+
+
+def test_a_model_changed_at_its_source_is_fetched_again_never_served_stale(s3, tiny_hf, chunked, tmp_path):
+    uri = "s3://models/b/tiny"
+    push(chunked, uri)
+    cache = NodeCache(tmp_path / "cache")
+    first = load(uri, "cpu", cache=cache)
+    other = pack(tiny_hf, tmp_path / "f32" / "tiny", PackOptions(progress=False, chunk_bytes=CHUNK, dtype="float32"))
+    push(other, uri)
+    second = load(uri, "cpu", cache=cache)
+    assert second.path != first.path
+    assert _same(second, load(other, "cpu"))
+
+
+def test_a_plain_http_source_serves_and_a_byte_changed_on_the_wire_is_refused(served, chunked, tmp_path):
+    uri = f"{served.url}/tiny"
+    served.fault(corrupt=1)  # one answer damaged on the way: asked again, the next is right
+    cache = NodeCache(tmp_path / "cache")
+    assert _same(load(uri, "cpu", cache=cache), load(chunked, "cpu"))
+
+
+def test_a_source_that_always_sends_a_changed_byte_fails_the_load_and_leaves_no_entry(served, tmp_path):
+    served.fault(corrupt=-1)
+    cache = NodeCache(tmp_path / "cache")
+    with pytest.raises(RemoteError, match=r"checksum mismatch in chunk \d+.*tiny/model.cst|tiny/model.cst.*checksum"):
+        load(f"{served.url}/tiny", "cpu", cache=cache)
+    assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
+
+
+def test_a_source_that_vanishes_mid_transfer_fails_cleanly_and_the_next_start_completes(served, chunked, tmp_path):
+    served.fault(die_after=200 << 10)
+    cache = NodeCache(tmp_path / "cache")
+    with pytest.raises(RemoteError, match=r"tiny/model.cst"):
+        load(f"{served.url}/tiny", "cpu", cache=cache)
+    assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
+    served.start()  # back (a new process, no fault)
+    assert _same(load(f"{served.url}/tiny", "cpu", cache=cache), load(chunked, "cpu"))
+
+
+def test_an_unreachable_source_names_itself_and_a_node_copy_is_used_instead(served, chunked, tmp_path):
+    uri = f"{served.url}/tiny"
+    empty = NodeCache(tmp_path / "empty")
+    served.stop()
+    with pytest.raises(RemoteError, match=rf"{uri}/model.cst.*HEAD failed"):
+        load(uri, "cpu", cache=empty)
+    held = NodeCache(tmp_path / "held")
+    served.start()
+    load(uri, "cpu", cache=held)
+    served.stop()
+    assert _same(load(uri, "cpu", cache=held), load(chunked, "cpu"))
+
+
+def test_a_missing_model_says_what_to_do(s3, tmp_path):
+    with pytest.raises(RemoteError, match=r"s3://models/none/model.cst: not found.*coldstart push"):
+        load("s3://models/none", "cpu", cache=NodeCache(tmp_path / "cache"))
+
+
+def test_credentials_in_the_uri_are_refused_and_never_echoed():
+    with pytest.raises(ValueError, match="carries a credential") as e:
+        check_uri("https://user:hunter2@example.org/models/tiny")
+    assert "hunter2" not in str(e.value)
+    with pytest.raises(ValueError, match="carries a credential"):
+        check_uri("https://example.org/models/tiny?X-Amz-Signature=abc")
+
+
+def test_a_cache_limit_below_the_model_fails_naming_the_directory(s3, chunked, tmp_path):
+    push(chunked, "s3://models/d/tiny")
+    cache = NodeCache(tmp_path / "cache", max_bytes=4096)
+    with pytest.raises(CacheFullError, match=rf"{cache.root}.*more than the cache's limit"):
+        load("s3://models/d/tiny", "cpu", cache=cache)
+    assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
+
+
+def test_the_least_recently_used_model_is_evicted_to_make_room(s3, chunked, tiny_hf, tmp_path):
+    other = pack(tiny_hf, tmp_path / "f32" / "tiny", PackOptions(progress=False, chunk_bytes=CHUNK, dtype="float32"))
+    push(chunked, "s3://models/e1/tiny")
+    push(other, "s3://models/e2/tiny")
+    size = (chunked / "model.cst").stat().st_size + (other / "model.cst").stat().st_size
+    cache = NodeCache(tmp_path / "cache", max_bytes=size)  # room for both files, not both entries' side files
+    a = load("s3://models/e1/tiny", "cpu", cache=cache).path
+    b = load("s3://models/e2/tiny", "cpu", cache=cache).path
+    assert not a.exists() and b.exists()
+
+
+def test_a_disk_without_room_fails_before_the_transfer_naming_the_cache(s3, chunked, tmp_path):
+    push(chunked, "s3://models/f/tiny")
+    root = tmp_path / "cache"
+    # the process may write files of at most 64 KiB: the weight file's allocation fails as a full disk would
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); "
+            "from weights import load; from weights.cache import NodeCache; "
+            f"load('s3://models/f/tiny', 'cpu', cache=NodeCache({str(root)!r}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode != 0
+    assert f"{root}" in r.stderr and "cannot hold the model" in r.stderr
+    assert not list(root.rglob("model.cst")) and not no_partials(root)
+
+
+def test_two_loads_on_one_node_share_one_transfer(served, chunked, tmp_path):
+    served.fault(delay_s=0.05)  # transfers long enough to overlap
+    cache_dir = tmp_path / "cache"
+    code = ("import sys; from weights import load; from weights.cache import NodeCache; "
+            f"print(load({served.url + '/tiny'!r}, 'cpu', cache=NodeCache({str(cache_dir)!r})).path)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outs[0] == outs[1]
+    data = (chunked / "model.cst").stat().st_size
+    assert served.stats()["sent"]["tiny/model.cst"] < 1.5 * data  # one copy (plus the header reads)
+
+
+def test_a_split_pack_rank_fetches_only_its_own_file(tiny_hf, tmp_path):
+    split = pack(tiny_hf, tmp_path / "www" / "tiny", PackOptions(progress=False, tp=2, chunk_bytes=CHUNK))
+    srv = RangeServer(tmp_path / "www", tmp_path / "range.log").start()
+    try:
+        cache = NodeCache(tmp_path / "cache")
+        m = load(f"{srv.url}/tiny", "cpu", rank=1, cache=cache)
+        assert m.tp == {"size": 2, "rank": 1}
+        assert _same(m, load(split, "cpu", rank=1))
+        sent = srv.stats()["sent"]
+        assert "tiny/rank-1/model.cst" in sent and "tiny/rank-0/model.cst" not in sent
+    finally:
+        srv.stop()
+
+
+def test_a_transfer_that_fails_mid_way_keeps_the_entry_unfinished(served, tmp_path):
+    """``resolve`` and ``Fetch`` directly: an abort leaves the side files' entry but no weights."""
+    cache = NodeCache(tmp_path / "cache")
+    got = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(got, Fetch)
+    got.abort()
+    assert (got.entry / "config.json").is_file() and not (got.entry / "model.cst").exists()
+    assert not no_partials(cache.root)
+    again = resolve(f"{served.url}/tiny", cache)  # the lock was let go: a new transfer may begin
+    assert isinstance(again, Fetch)
+    again.run(threads=4)
+    assert (again.entry / "model.cst").is_file()
+
+
+def test_push_refuses_a_damaged_model(chunked, tmp_path):
+    d = tmp_path / "tiny"
+    shutil.copytree(chunked, d)
+    with open(d / "model.cst", "r+b") as f:
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ValueError, match="not pushed: 1 bad chunk"):
+        push(d, "s3://models/never/tiny")
+
+
+def test_loads_from_threads_in_one_process_share_the_entry(served, chunked, tmp_path):
+    cache = NodeCache(tmp_path / "cache")
+    out: list = []
+    ts = [threading.Thread(target=lambda: out.append(load(f"{served.url}/tiny", "cpu", cache=cache).path))
+          for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert len(out) == 2 and out[0] == out[1]

@@ -1,0 +1,416 @@
+"""Bring a remote packed model onto this node: from its peers and its source, into the device
+buffer and the node cache in one pass.
+
+``resolve(uri, cache, rank=...)`` reads the source's header (the weight file's preamble and index,
+a few KiB) and returns either the local entry (``weights.cache``) that already holds exactly that
+model, or a ``Fetch``: the entry made ready (side files checked against the index, the kernel
+bundle beside them) and the weight file's transfer to run, holding the entry's lock so that a
+second replica on the node waits for this one's transfer instead of starting its own.
+
+A ``Fetch`` moves the data region in pieces of whole chunks. Each piece comes from a *source*:
+a peer (another node's cache, ``deployments.peers``) that holds its chunks, spread over the peers
+that hold them, least busy first; else the model's origin (object storage or an HTTP server).
+Every piece is checked against the index's chunk sums as it lands, before it is written to the
+cache's temporary file or copied to the device; a source that fails or sends a corrupt byte is
+dropped and the piece fetched from the next one, and the node's own peer service is told of each
+checked piece (``Peers.announce``), so that nodes starting together pass chunks on to each other.
+Only when every piece has landed is the file renamed into place (``commit``); anything else
+(``abort``) removes it: a failed transfer never leaves an entry that looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .cache import NodeCache, partial_name, publish_file
+from .format import (SIDE_FILES, TP_MANIFEST, WEIGHTS_FILE, PackedFile, PackedFormatError,
+                     file_sha256, parse_packed, rank_dir)
+from .remote import Origin, RemoteError, check_uri, model_name
+
+log = logging.getLogger(__name__)
+
+ALL = None  # a source's holdings when it holds the whole file
+
+
+class Source(Protocol):
+    """Where a piece can come from: a peer's cache or the origin."""
+
+    name: str
+
+    def holds(self, rel: str) -> "set[int] | None":
+        """The chunks of ``rel`` this source can serve now (``ALL``: the whole file)."""
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with ``rel``'s bytes from file offset ``offset``."""
+
+
+class Peers(Protocol):
+    """The cluster's other nodes, as the fetch sees them (``deployments.peers`` over Ray)."""
+
+    def sources(self, key: str, rel: str) -> list[Source]:
+        """Peers that hold some of ``rel`` of entry ``key``, other than this node."""
+
+    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None") -> None:
+        """Tell this node's peer service that ``chunks`` of ``rel`` (None: all, the file is
+        complete) are checked and readable at ``path``; ``path`` empty: the transfer ended without
+        completing (forget it)."""
+
+
+class OriginSource:
+    """The model's origin as a source: it holds every chunk."""
+
+    def __init__(self, origin: Origin):
+        self.origin, self.name = origin, origin.uri
+
+    def holds(self, rel: str) -> None:
+        return ALL
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        self.origin.read_into(rel, offset, view)
+
+
+@dataclass
+class _Stats:
+    bytes_from: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+
+
+class Fetch:
+    """One weight file's transfer into the node cache (see the module's docstring)."""
+
+    REFRESH_S = 0.5  # how often the peers' holdings are asked again
+    ORIGIN_TRIES = 2  # a piece's answers from the origin before the transfer fails
+
+    def __init__(self, *, cache: NodeCache, entry: Path, rel: str, packed: PackedFile, head: bytes,
+                 tail: bytes, origin: Origin, peers: Peers | None, key: str, release: Any):
+        self.cache, self.entry, self.rel, self.packed, self.key = cache, entry, rel, packed, key
+        self.origin, self.peers, self._release = origin, peers, release
+        self.final = entry / rel
+        self.tmp = self.final.with_name(partial_name(WEIGHTS_FILE))
+        self.cb = packed.index.chunk_bytes
+        self._sums = packed.index.chunk_sums
+        self.stats = _Stats()
+        self._lock = threading.Lock()
+        self._sources: list[Source] = []
+        self._holdings: dict[str, Any] = {}
+        self._busy: dict[str, int] = {}
+        self._refreshed = 0.0
+        self._closed = False
+        self._landed: list[int] = []
+        self.start = 0  # the piece this node's transfer begins with (``pieces``)
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _allocate(self.fd, packed.file_bytes, self.tmp)
+            os.pwrite(self.fd, head, 0)
+            os.pwrite(self.fd, tail, packed.data_offset + packed.data_bytes)
+        except BaseException:
+            self.abort()
+            raise
+        self._refresh(force=True)
+
+    # ---------------------------------------------------------------- sources
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._refreshed < self.REFRESH_S:
+            return
+        self._refreshed = now
+        found: list[Source] = []
+        if self.peers is not None:
+            try:
+                found = [p for p in self.peers.sources(self.key, self.rel) if p.name not in self.stats.dropped]
+            except Exception as e:  # the peers' directory is a help, never a reason to fail
+                log.info("peers of %s not asked (%s): reading from %s", self.rel, e, self.origin.uri)
+        holdings = {}
+        for p in found:
+            try:
+                holdings[p.name] = p.holds(self.rel)
+            except Exception as e:
+                self._drop(p, f"did not answer ({e})")
+        with self._lock:
+            self._sources = [p for p in found if p.name in holdings]
+            self._holdings = holdings
+
+    def _drop(self, source: Source, why: str) -> None:
+        with self._lock:
+            if source.name not in self.stats.dropped:
+                self.stats.dropped[source.name] = why
+                log.warning("%s: dropped %s as a source of %s: %s; its chunks come from elsewhere",
+                            self.entry.name, source.name, self.rel, why)
+
+    # ---------------------------------------------------------------- pieces
+    def _pick(self, chunks: range, origin_ok: bool) -> Source | None:
+        """The least busy peer holding every chunk of the piece, else the origin (if still allowed)."""
+        self._refresh()
+        with self._lock:
+            peers = [p for p in self._sources if p.name not in self.stats.dropped and
+                     (self._holdings.get(p.name) is ALL or all(c in self._holdings[p.name] for c in chunks))]
+            if peers:
+                return min(peers, key=lambda p: self._busy.get(p.name, 0))
+        return OriginSource(self.origin) if origin_ok else None
+
+    def read_into(self, view: memoryview, off: int, length: int) -> None:
+        """Fill ``view[:length]`` with data-region bytes ``off..off+length`` (whole chunks, or the
+        region's end), checked, and write them to the cache's temporary file."""
+        chunks = range(off // self.cb, -(-(off + length) // self.cb))
+        at = self.packed.data_offset + off
+        failures: list[str] = []
+        origin_tries = 0
+        while (src := self._pick(chunks, origin_ok=origin_tries < self.ORIGIN_TRIES)) is not None:
+            with self._lock:
+                self._busy[src.name] = self._busy.get(src.name, 0) + 1
+            try:
+                src.read_into(self.rel, at, view[:length])
+                bad = self._check(view, off, length)
+            except Exception as e:  # any failure of a source: the next one is tried
+                bad = f"failed ({e})"
+            finally:
+                with self._lock:
+                    self._busy[src.name] -= 1
+            if bad is None:
+                self._land(view, off, length, src, chunks)
+                return
+            failures.append(f"{src.name}: {bad}")
+            if isinstance(src, OriginSource):
+                origin_tries += 1  # asked again once: a fault of one answer on the way
+            else:
+                self._drop(src, bad)
+        raise RemoteError(f"{self.origin.uri}/{self.rel}: bytes {at}..{at + length} "
+                          f"({self.packed.describe_chunk(chunks[0])}) could not be fetched from any source: "
+                          + "; ".join(failures) + "; check the source (push the model again if its copy there "
+                          "is corrupt)")
+
+    def _check(self, view: memoryview, off: int, length: int) -> str | None:
+        import torch
+
+        from . import checksum
+        # every piece is whole 4 KiB pages: the data region and its chunks are multiples of 4096
+        data = torch.frombuffer(view, dtype=torch.uint8, count=length)
+        first = off // self.cb
+        got = checksum.chunk_sums_tensor(data, self.cb).tolist()
+        for i, (a, b) in enumerate(got):
+            want = self._sums[first + i]
+            if (a & 0xFFFFFFFFFFFFFFFF, b & 0xFFFFFFFFFFFFFFFF) != tuple(want):
+                return f"checksum mismatch in {self.packed.describe_chunk(first + i)}"
+        return None
+
+    def _land(self, view: memoryview, off: int, length: int, src: Source, chunks: range) -> None:
+        at = self.packed.data_offset + off
+        done = 0
+        while done < length:
+            done += os.pwrite(self.fd, view[done:length], at + done)
+        with self._lock:
+            self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
+            self._landed += list(chunks)
+            landed = list(self._landed)
+        if self.peers is not None:
+            self.peers.announce(self.key, self.rel, str(self.tmp), landed)
+
+    # ---------------------------------------------------------------- the whole file
+    def pieces(self, piece_bytes: int, start: int = 0) -> list[tuple[int, int]]:
+        """The data region in pieces of whole chunks, in order from piece ``start`` (rotated: nodes
+        that start together begin in different places and pass pieces to each other)."""
+        step = max(self.cb, piece_bytes // self.cb * self.cb)
+        n = self.packed.data_bytes
+        out = [(o, min(step, n - o)) for o in range(0, n, step)]
+        k = start % len(out) if out else 0
+        return out[k:] + out[:k]
+
+    def run(self, threads: int = 16, piece_bytes: int = 16 << 20, start: int = 0) -> Path:
+        """Fetch every piece with ``threads`` in parallel (no device: the CPU load maps the file
+        afterwards), then ``commit``. Returns the entry's directory."""
+        pieces = self.pieces(piece_bytes, start)
+        step = max(length for _, length in pieces) if pieces else 0
+        local = threading.local()
+
+        def one(p: tuple[int, int]) -> None:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = np.empty(-(-step // 4096) * 4096, dtype=np.uint8)
+            self.read_into(memoryview(buf), *p)
+        try:
+            with ThreadPoolExecutor(max(1, min(threads, len(pieces))), "coldstart-fetch") as pool:
+                for f in [pool.submit(one, p) for p in pieces]:
+                    f.result()
+        except BaseException:
+            self.abort()
+            raise
+        return self.commit()
+
+    def commit(self) -> Path:
+        """The transfer is whole and checked: the file takes its name; returns the entry."""
+        if len(set(self._landed)) != len(self._sums):
+            self.abort()
+            raise RemoteError(f"{self.origin.uri}/{self.rel}: transfer ended with "
+                              f"{len(set(self._landed))} of {len(self._sums)} chunks")
+        try:
+            os.close(self.fd)
+            publish_file(self.tmp, self.final)
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self.cache.touch(self.entry)
+        log.info("%s: %.2f GB in the node cache at %s (%s)", self.rel, self.packed.file_bytes / 1e9, self.final,
+                 ", ".join(f"{k}: {v / 1e9:.2f} GB" for k, v in self.stats.bytes_from.items()))
+        if self.peers is not None:
+            self.peers.announce(self.key, self.rel, str(self.final), None)
+        self._release()
+        return self.entry
+
+    def abort(self) -> None:
+        """Remove the temporary file and let go of the entry (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+        if self.peers is not None:
+            try:
+                self.peers.announce(self.key, self.rel, "", [])
+            except Exception as e:
+                log.info("peer service not told of the aborted transfer: %s", e)
+        self._release()
+
+
+def _allocate(fd: int, size: int, path: Path) -> None:
+    """Reserve the file's whole size now: a disk without room fails here, before any transfer."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (95, 22):  # EOPNOTSUPP, EINVAL: a filesystem without fallocate
+            os.ftruncate(fd, size)
+            return
+        raise OSError(e.errno, f"{path.parent}: cannot hold the model's {size / 2**30:.2f} GiB in the node "
+                      f"cache ({e.strerror}); free space there, or point COLDSTART_CACHE_DIR at a larger disk") from None
+
+
+# ------------------------------------------------------------------------------------ resolve
+def weight_rel(rank: int | None) -> str:
+    return WEIGHTS_FILE if rank is None else f"{rank_dir(rank)}/{WEIGHTS_FILE}"
+
+
+def read_header(origin: Origin, rel: str, local: Path) -> tuple[PackedFile, bytes, bytes]:
+    """The remote file's header checked as ``read_packed`` checks a local one (``local``: where it
+    will lie in the cache); also its raw preamble and index, written into the cache's copy."""
+    size = origin.size(rel)
+    got: dict[int, bytes] = {}
+
+    def read(off: int, n: int) -> bytes:
+        n = max(0, min(n, size - off))
+        buf = bytearray(n)
+        if n:
+            origin.read_into(rel, off, memoryview(buf))
+        got[off] = bytes(buf)
+        return got[off]
+    packed = parse_packed(local, size, read, where=f"{origin.uri}/{rel}")
+    return packed, got[0], got[packed.data_offset + packed.data_bytes]
+
+
+def _key_of(origin: Origin, rank: int | None, packed: PackedFile) -> tuple[str, bytes | None]:
+    if rank is None:
+        return packed.digest[:16], None
+    import hashlib
+    manifest = origin.get(TP_MANIFEST)
+    return hashlib.sha256(manifest).hexdigest()[:16], manifest
+
+
+def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers | None = None,
+            wait_s: float | None = None) -> "Path | Fetch":
+    """The local entry holding ``uri`` as it is at its source now, or the ``Fetch`` that brings it
+    (see the module's docstring). ``rank``: one rank's file of a split pack (its side files and
+    ``tp.json`` come with it). Where the source cannot be reached but the node holds an earlier
+    copy, that copy is used with a warning naming the source and the error."""
+    uri = check_uri(uri)
+    name = model_name(uri)
+    rel = weight_rel(rank)
+    try:
+        origin = Origin(uri)
+        if rank is None and not origin.exists(WEIGHTS_FILE) and origin.exists(TP_MANIFEST):
+            raise PackedFormatError(f"{uri}: a tensor-parallel pack ({TP_MANIFEST}); serve it with args.tp set to "
+                                    "its number of ranks")
+        packed, head, tail = read_header(origin, rel, cache.root / rel)
+        key, manifest = _key_of(origin, rank, packed)
+    except RemoteError as e:
+        held = [p for p in cache.entries_of(uri, name) if (p / rel).is_file()]
+        if not held:
+            raise
+        log.warning("%s is unreachable (%s): serving the copy this node holds, %s, which may be older", uri, e,
+                    held[0])
+        cache.touch(held[0])
+        return held[0]
+    entry = cache.entry(uri, key, name)
+    lock = cache.lock(entry)
+    lock.__enter__()
+    done = False
+    try:
+        cache.clean(entry)
+        if (entry / rel).is_file():
+            from .format import read_packed
+            if read_packed(entry / rel).digest == packed.digest:
+                cache.touch(entry)
+                return entry
+            os.unlink(entry / rel)  # (a copy whose index is not the source's: never served)
+        if not entry.is_dir():
+            _make_entry(origin, entry, packed, manifest)
+        else:
+            _check_sides(entry, packed, uri)
+        cache.make_room(packed.file_bytes, keep=entry)
+        (entry / rel).parent.mkdir(parents=True, exist_ok=True)
+        packed.path = entry / rel
+        fetch = Fetch(cache=cache, entry=entry, rel=rel, packed=packed, head=head, tail=tail, origin=origin,
+                      peers=peers, key=key, release=lambda: lock.__exit__(None, None, None))
+        done = True
+        return fetch
+    finally:
+        if not done:
+            lock.__exit__(None, None, None)
+
+
+def _make_entry(origin: Origin, entry: Path, packed: PackedFile, manifest: bytes | None) -> None:
+    """The entry's directory, whole: side files checked against the index, the kernel bundle (where
+    the store lists one), tp.json for a split pack; written aside and renamed."""
+    tmp = entry.with_name(partial_name(entry.name))
+    tmp.mkdir(parents=True)
+    try:
+        listed = packed.index.side_files or {}
+        for name in sorted(listed):
+            data = manifest if name == TP_MANIFEST and manifest is not None else origin.get(name)
+            (tmp / name).write_bytes(data)
+        if packed.index.side_files is None:  # an older pack: copy what it has, unprotected
+            for name in SIDE_FILES:
+                if origin.exists(name):
+                    (tmp / name).write_bytes(origin.get(name))
+        for rel in origin.list("kernels/"):
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(origin.get(rel))
+        _check_sides(tmp, packed, origin.uri)
+        os.rename(tmp, entry)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_sides(d: Path, packed: PackedFile, uri: str) -> None:
+    for name, want in (packed.index.side_files or {}).items():
+        p = d / name
+        if not p.is_file() or p.stat().st_size != want.bytes or file_sha256(p) != want.sha256:
+            raise PackedFormatError(f"{uri}/{name}: not the file the weights' index lists (size or sha256 "
+                                    "differ): the source holds a mix of two packs; push the model again whole")
+

@@ -1,0 +1,210 @@
+"""A packed model in object storage: its address, the store that reads it, and the upload.
+
+A packed model directory (``weights.format``) can live under a URI instead of on the node's disk::
+
+    s3://bucket/prefix/llama-2-7b     the S3 API: AWS, MinIO, Ceph, GCS's interoperability endpoint
+    gs://bucket/prefix/llama-2-7b     Google Cloud Storage
+    https://host/path/llama-2-7b      plain HTTP(S) with range requests (read only)
+
+The files under it are the directory's own, by the same relative names (``model.cst``,
+``config.json``, ``kernels/...``, ``tp.json`` and ``rank-K/model.cst`` for a split pack), so
+``coldstart push DIR URI`` is a copy and a copy made by any other tool serves as well.
+
+Reads go through obstore (Rust's ``object_store``): ranged GETs that release the GIL while they
+wait, so many run in parallel from threads. Credentials come from wherever that library looks for
+them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+web identity, the instance's role; ``GOOGLE_APPLICATION_CREDENTIALS``), never from coldstart's
+own configuration, and a URI that carries a secret (``user:password@``, ``?X-Amz-...``) is refused.
+Messages name the URI and the file, never a credential.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("s3", "gs", "http", "https")
+_SECRET_QUERY = re.compile(r"(?i)(x-amz-|signature|credential|token|key)")
+
+
+class RemoteError(OSError):
+    """A remote source failed: unreachable, refused, missing a file, or too slow. The message names
+    the source (its URI) and the file, and says what to do."""
+
+
+def is_remote(model: str | os.PathLike) -> bool:
+    """Whether ``model`` names a packed model in object storage or on an HTTP(S) server."""
+    return isinstance(model, str) and urlsplit(model).scheme in SCHEMES
+
+
+def check_uri(uri: str) -> str:
+    """``uri`` without a trailing slash; ValueError for an unknown scheme, a missing bucket or
+    path, or a secret written into the URI (credentials belong where the client reads them)."""
+    u = urlsplit(uri)
+    if u.scheme not in SCHEMES:
+        raise ValueError(f"{uri!r}: a remote packed model is s3://, gs://, http:// or https://")
+    if not u.netloc or not u.path.strip("/"):
+        raise ValueError(f"{uri!r}: name the bucket (or host) and the packed model's path under it, "
+                         "e.g. s3://models/llama-2-7b")
+    if u.password or _SECRET_QUERY.search(u.query or ""):
+        raise ValueError(f"{u.scheme}://{u.hostname}{u.path}: the URI carries a credential; remove it "
+                         "and give credentials where the client reads them (AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, an instance role, GOOGLE_APPLICATION_CREDENTIALS)")
+    return uri.rstrip("/")
+
+
+def model_name(uri: str) -> str:
+    """The packed model's name: the last component of its path (its directory's name on disk)."""
+    return urlsplit(uri).path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _short(e: BaseException) -> str:
+    """The first line of a client error (obstore appends a multi-line debug dump)."""
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a remote read may take before it counts as failed (and another source is tried)."""
+
+    connect_s: float = 5.0
+    request_s: float = 60.0  # one ranged GET of a piece (16 MiB at 0.3 MB/s)
+    retries: int = 2
+
+
+class Origin:
+    """The store a packed model's URI names: small files whole, big ones by ranges.
+
+    Thread-safe: obstore's store is shared by every reader thread."""
+
+    def __init__(self, uri: str, timeouts: Timeouts = Timeouts()):
+        self.uri = check_uri(uri)
+        self.name = self.uri
+        self._store = _open_store(self.uri, timeouts)
+
+    def __repr__(self) -> str:
+        return f"Origin({self.uri})"
+
+    def _fail(self, rel: str, e: BaseException, what: str) -> RemoteError:
+        if isinstance(e, FileNotFoundError):
+            return RemoteError(f"{self.uri}/{rel}: not found at the source; is the URI right, and was the "
+                               "model pushed whole (`coldstart push DIR URI`)?")
+        hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and that the "
+                "server is up")
+        if isinstance(e, PermissionError) or "403" in str(e) or "401" in str(e):
+            hint = "the credentials were refused: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the role"
+        return RemoteError(f"{self.uri}/{rel}: {what} failed ({_short(e)}); {hint}")
+
+    def size(self, rel: str) -> int:
+        import obstore
+        try:
+            return int(obstore.head(self._store, rel)["size"])
+        except Exception as e:  # obstore raises its own error types (subclasses of OSError and others)
+            raise self._fail(rel, e, "HEAD") from None
+
+    def exists(self, rel: str) -> bool:
+        try:
+            self.size(rel)
+        except RemoteError as e:
+            if "not found" in str(e):
+                return False
+            raise
+        return True
+
+    def get(self, rel: str) -> bytes:
+        """A whole (small) file."""
+        import obstore
+        try:
+            return bytes(obstore.get(self._store, rel).bytes())
+        except Exception as e:
+            raise self._fail(rel, e, "GET") from None
+
+    def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the file's bytes from ``offset``; a short answer is an error."""
+        import obstore
+        n = len(view)
+        try:
+            got = obstore.get_range(self._store, rel, start=offset, length=n)
+        except Exception as e:
+            raise self._fail(rel, e, f"ranged GET of bytes {offset}..{offset + n}") from None
+        m = memoryview(got)
+        if len(m) != n:
+            raise RemoteError(f"{self.uri}/{rel}: asked for {n} bytes at {offset}, got {len(m)}: the file "
+                              "changed or was truncated at the source; push it again")
+        view[:] = m
+
+    def list(self, rel_prefix: str) -> list[str]:
+        """Relative names of the files under ``rel_prefix`` (empty where the store cannot list: HTTP)."""
+        import obstore
+        if urlsplit(self.uri).scheme in ("http", "https"):
+            return []
+        try:
+            out = []
+            for batch in obstore.list(self._store, prefix=rel_prefix):
+                out += [m["path"] for m in batch]
+            return sorted(out)
+        except Exception as e:
+            raise self._fail(rel_prefix, e, "LIST") from None
+
+    def put(self, rel: str, path: Path) -> None:
+        import obstore
+        try:
+            obstore.put(self._store, rel, path)
+        except Exception as e:
+            raise self._fail(rel, e, "PUT") from None
+
+
+def _open_store(uri: str, t: Timeouts) -> Any:
+    try:
+        from obstore.store import from_url
+    except ImportError:
+        raise RemoteError(f"{uri}: reading a remote packed model needs the obstore package "
+                          "(`pip install obstore`)") from None
+    client = {"connect_timeout": timedelta(seconds=t.connect_s), "timeout": timedelta(seconds=t.request_s)}
+    retry = {"max_retries": t.retries, "retry_timeout": timedelta(seconds=t.request_s)}
+    scheme = urlsplit(uri).scheme
+    if scheme == "http" or os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+        client["allow_http"] = True  # a plain-HTTP endpoint (MinIO on a private network, a test server)
+    try:
+        return from_url(uri, client_options=client, retry_config=retry)
+    except Exception as e:
+        raise RemoteError(f"{uri}: cannot open the store ({_short(e)}); check the URI and the client's "
+                          "settings (AWS_REGION, AWS_ENDPOINT_URL)") from None
+
+
+def local_files(d: Path) -> Iterator[tuple[str, Path]]:
+    """Every file of a packed model directory as (relative name, path), sorted; temporary files
+    and leftovers (names starting with a dot) excluded."""
+    for root, dirs, files in os.walk(d):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+        for f in sorted(files):
+            if not f.startswith("."):
+                p = Path(root) / f
+                yield p.relative_to(d).as_posix(), p
+
+
+def push(src: str | os.PathLike, uri: str) -> list[str]:
+    """Upload the packed model directory ``src`` to ``uri``: every file, the weights last, so a
+    reader never finds new weights beside old side files. Checks ``src`` first (structure and
+    every chunk: ``weights.verify``). Returns the relative names uploaded."""
+    from .verifier import verify
+    d = Path(src)
+    report = verify(d)
+    if not report.ok:
+        raise ValueError(f"{d}: not pushed: {report.summary()}")
+    origin = Origin(uri)
+    files = list(local_files(d))
+    weights = [f for f in files if f[0].endswith("model.cst")]
+    for rel, p in [f for f in files if f not in weights] + weights:
+        log.info("push %s -> %s/%s (%.1f MiB)", p, origin.uri, rel, p.stat().st_size / 2**20)
+        origin.put(rel, p)
+    return [rel for rel, _ in files]
