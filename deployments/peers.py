@@ -99,10 +99,13 @@ class PeerSource:
         return self._held
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
-        import numpy as np
         import ray
+
+        from weights.remote import copy_into
         arr = ray.get(self.handle.read.remote(self.key, rel, offset, len(view)), timeout=READ_S)
-        np.frombuffer(view, dtype=np.uint8)[:] = arr
+        if arr.nbytes != len(view):
+            raise EOFError(f"asked for {len(view)} bytes at {offset}, got {arr.nbytes}")
+        copy_into(view, memoryview(arr))
         del arr  # the object store's copy can go
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers_remote import RangeServer, free_port, make_bucket, no_partials, s3_server
+from helpers_remote import RangeServer, free_port, make_bucket, no_partials, s3_server
 from weights import PackOptions, pack
 from weights.remote import push
 
@@ -139,7 +139,7 @@ def _wait(pred, timeout: float, what: str) -> None:
 def test_scale_from_zero_to_two_nodes_and_back_with_no_request_lost(world, tmp_path):
     from deployments.app import LLMDeployment
     from deployments.server.replica import LLMServer
-    from tests.test_replica_start import _greedy
+    from test_replica_start import _greedy
     cluster, caches, model, _, www = world
     # the range server holds its own copy: a model no node has yet
     shutil.copytree(model, www.root / "scale")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers_remote import RangeServer, make_bucket, no_partials, s3_server
+from conftest import gpu
+from helpers_remote import RangeServer, make_bucket, no_partials, s3_server
 from weights import PackOptions, load, pack
 from weights.cache import CacheFullError, NodeCache
 from weights.fetch import Fetch, resolve
@@ -222,3 +223,30 @@ def test_loads_from_threads_in_one_process_share_the_entry(served, chunked, tmp_
     for t in ts:
         t.join(120)
     assert len(out) == 2 and out[0] == out[1]
+
+
+def test_a_corrupt_node_copy_is_removed_and_fetched_again(s3, chunked, tmp_path):
+    from weights.format import PackedFormatError
+    push(chunked, "s3://models/g/tiny")
+    cache = NodeCache(tmp_path / "cache")
+    entry = load("s3://models/g/tiny", "cpu", cache=cache).path
+    with open(entry / "model.cst", "r+b") as f:  # a torn write: a block of zeros
+        f.seek(4096 + 2 * CHUNK)
+        f.write(bytes(4096))
+    with pytest.raises(PackedFormatError, match="node cache's copy: removed"):
+        load("s3://models/g/tiny", "cpu", cache=cache)
+    assert not (entry / "model.cst").exists()
+    assert _same(load("s3://models/g/tiny", "cpu", cache=cache), load(chunked, "cpu"))
+
+
+@gpu
+def test_on_a_gpu_the_bytes_stream_into_the_device_and_the_cache_in_one_pass(served, chunked, tmp_path):
+    cache = NodeCache(tmp_path / "cache")
+    m = load(f"{served.url}/tiny", "cuda", cache=cache)
+    ref = load(chunked, "cuda")
+    assert all(torch.equal(m.tensors[k], ref.tensors[k]) for k in ref.tensors)
+    assert (m.path / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+    served.fault(corrupt=-1)
+    with pytest.raises(RemoteError, match="checksum mismatch"):
+        load(f"{served.url}/tiny", "cuda", cache=NodeCache(tmp_path / "other"))
+    assert not list((tmp_path / "other").rglob("model.cst")) and not no_partials(tmp_path / "other")

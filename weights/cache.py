@@ -173,11 +173,19 @@ def partial_name(name: str) -> str:
 
 
 def publish_file(tmp: Path, final: Path) -> None:
-    """The finished transfer ``tmp`` becomes ``final`` (fsynced first: a crash leaves the old state)."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """The finished transfer ``tmp`` becomes ``final``. Its data is not flushed to the disk first (for
+    a 7B, seconds of the replica's start): a copy torn by a crash fails its checksums at its next load,
+    which removes it (``drop_corrupt``), and the node fetches it again."""
     os.rename(tmp, final)
     fsync(final.parent)
+
+
+def drop_corrupt(weights: Path, error: BaseException) -> str:
+    """A node cache's weight file failed its checksums: remove it (the next start fetches it again);
+    returns what to add to the error's message."""
+    try:
+        os.unlink(weights)
+    except OSError as e:
+        return f" (the node cache's copy {weights} is corrupt and could not be removed: {e}; remove it)"
+    log.warning("removed %s from the node cache: %s", weights, error)
+    return " (it was the node cache's copy: removed, the next start fetches the model again)"

@@ -395,7 +395,12 @@ def _make_entry(origin: Origin, entry: Path, packed: PackedFile, manifest: bytes
             for name in SIDE_FILES:
                 if origin.exists(name):
                     (tmp / name).write_bytes(origin.get(name))
-        for rel in origin.list("kernels/"):
+        try:
+            kernels = origin.list("kernels/")
+        except RemoteError as e:  # (a role that may read objects but not list them): the node compiles its own
+            log.info("%s: no kernel bundle taken (%s)", origin.uri, e)
+            kernels = []
+        for rel in kernels:
             dest = tmp / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(origin.get(rel))

@@ -36,9 +36,9 @@ import numpy as np
 import torch
 
 from . import checksum, readahead, stream
-from .cache import NodeCache, default_root
+from .cache import NodeCache, default_root, drop_corrupt
 from .fetch import Fetch, resolve
-from .format import DTYPES, PackedFile, check_side_files, read_json, read_packed
+from .format import DTYPES, PackedFile, PackedFormatError, check_side_files, read_json, read_packed
 from .options import LoadOptions
 from .remote import is_remote
 from .segments import one_segment
@@ -201,7 +201,7 @@ class PendingLoad:
 
 def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | None = None, *,
                rank: int | None = None, options: LoadOptions | None = None, timer: PhaseTimer | None = None,
-               hold: bool = False, cache: NodeCache | None = None) -> PendingLoad:
+               hold: bool = False, cache: NodeCache | None = None, from_cache: bool = False) -> PendingLoad:
     """Start loading a packed model (see ``load``; ``rank``: one rank's part of a split pack)
     and return as soon as the device buffer is allocated and its tensor views exist;
     ``PendingLoad.wait()`` finishes the load. ``device=None`` is the GPU where torch sees one,
@@ -225,6 +225,7 @@ def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | N
     if isinstance(path, str) and is_remote(path):
         with timer.phase("resolve"):
             path = resolve(path, cache or NodeCache(default_root()), rank=rank)
+        from_cache = True
     if isinstance(path, Fetch):
         fetch, path = path, path.entry
         if dev.type == "cpu":  # the CPU load maps the cache's file: the transfer first, whole
@@ -242,7 +243,12 @@ def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | N
         d = packed.model_dir
         config = _read_config(d)
     if dev.type == "cpu":
-        return PendingLoad(d, packed, dev, _load_cpu(packed, opts, timer), config, timer)
+        try:
+            return PendingLoad(d, packed, dev, _load_cpu(packed, opts, timer), config, timer)
+        except PackedFormatError as e:
+            if from_cache:
+                raise PackedFormatError(str(e) + drop_corrupt(packed.path, e)) from None
+            raise
     if dev.type == "cuda":
         try:
             buffer, work = _start_cuda(packed, dev, opts, timer, fetch)
@@ -250,6 +256,8 @@ def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | N
             if fetch is not None:
                 fetch.abort()
             raise
+        if from_cache and fetch is None:
+            work = _dropping_corrupt(work, packed.path)
         return PendingLoad(d, packed, buffer.device, buffer, config, timer, work, hold=hold)
     raise ValueError(f"device={device!r}: only cpu and cuda are supported")
 
@@ -299,6 +307,15 @@ def _load_cpu(packed: PackedFile, opts: LoadOptions, timer: PhaseTimer) -> torch
         with timer.phase("verify", nbytes=packed.data_bytes):
             _verify(packed, buffer)
     return buffer
+
+
+def _dropping_corrupt(work: Callable[[], None], weights: Path) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            work()
+        except PackedFormatError as e:
+            raise PackedFormatError(str(e) + drop_corrupt(weights, e)) from None
+    return run
 
 
 def _piece_bytes(opts: LoadOptions, packed: PackedFile) -> int:

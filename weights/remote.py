@@ -140,7 +140,7 @@ class Origin:
         if len(m) != n:
             raise RemoteError(f"{self.uri}/{rel}: asked for {n} bytes at {offset}, got {len(m)}: the file "
                               "changed or was truncated at the source; push it again")
-        view[:] = m
+        copy_into(view, m)
 
     def list(self, rel_prefix: str) -> list[str]:
         """Relative names of the files under ``rel_prefix`` (empty where the store cannot list: HTTP)."""
@@ -161,6 +161,20 @@ class Origin:
             obstore.put(self._store, rel, path)
         except Exception as e:
             raise self._fail(rel, e, "PUT") from None
+
+
+def copy_into(view: memoryview, src: memoryview) -> None:
+    """``view[:] = src`` without holding the GIL for the copy (many reader threads copy at once)."""
+    if len(src) < 1 << 20:
+        view[:] = src
+        return
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():  # a read-only source is only read
+        warnings.simplefilter("ignore", UserWarning)
+        s = torch.frombuffer(src, dtype=torch.uint8)
+    torch.frombuffer(view, dtype=torch.uint8).copy_(s)
 
 
 def _open_store(uri: str, t: Timeouts) -> Any:

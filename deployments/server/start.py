@@ -220,7 +220,8 @@ class Start:
             check_pack(self.path, self.tp)
         self._t_load = time.perf_counter()
         self.pending = loader.start_load(self.fetch or self.path, self.device, rank=self.rank if self.tp > 1 else None,
-                                         options=self.opts, timer=self.timer, hold=self.trickling)
+                                         options=self.opts, timer=self.timer, hold=self.trickling,
+                                         from_cache=self.remote)
         native = is_native(self.pending.config)
         # transformers' classes may copy the weights as they take them: only a native model is
         # built beside its load
