@@ -1,0 +1,135 @@
+"""The benchmark suite's results: bench/RESULTS.md is what bench/results/ gives, the docs cite only
+results that exist, and a stage of bench/gpu.sh writes its one file with host, GPU, commit and time."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import results  # noqa: E402
+
+# a path under bench/results, and before it, where the doc cites git's history, a commit: `REV:bench/results/...`
+CITED = re.compile(r"(?:\b([0-9a-f]{7,40}):)?(bench/results/[A-Za-z0-9_./*-]*[A-Za-z0-9_*/-])")
+
+
+def test_results_md_is_what_the_files_give():
+    assert results.RESULTS_MD.read_text() == results.render(), \
+        "bench/RESULTS.md is stale against bench/results/: run `python bench/results.py`"
+
+
+def _doc_citations() -> list[tuple[str, str | None, str]]:
+    docs = [ROOT / "README.md", ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [(d.name, m[0] or None, m[1].rstrip(".")) for d in docs for m in CITED.findall(d.read_text())]
+
+
+def test_the_docs_cite_only_results_that_exist():
+    cited = _doc_citations()
+    assert any(p == "bench/results/engine.json" for _, _, p in cited)  # the pattern finds what the README quotes
+    in_tree = [(doc, p) for doc, rev, p in cited if rev is None]
+    missing = [(doc, p) for doc, p in in_tree if not (list(ROOT.glob(p)) if "*" in p else (ROOT / p).exists())]
+    assert not missing, f"docs cite results that are not in the tree (cite git's history as REV:PATH): {missing}"
+    if not (ROOT / ".git").exists():
+        return  # a copy without history: the REV:PATH citations are checked where it is present
+    gone = []
+    for doc, rev, p in {(doc, rev, p) for doc, rev, p in cited if rev is not None}:
+        ok = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}:{p.rstrip('/')}"],
+                            capture_output=True).returncode == 0
+        if not ok:
+            gone.append((doc, f"{rev}:{p}"))
+    assert not gone, f"docs cite history that git does not hold: {gone}"
+    # RESULTS.md's own links (results/STAGE.json, relative to bench/)
+    for link in re.findall(r"\]\((results/[^)]+)\)", results.RESULTS_MD.read_text()):
+        assert (ROOT / "bench" / link).is_file(), link
+
+
+def test_gpu_sh_runs_the_stages_results_py_knows():
+    text = (ROOT / "bench" / "gpu.sh").read_text()
+    assert tuple(re.search(r'^STAGES="([^"]+)"', text, re.M).group(1).split()) == results.STAGES
+    for stage in results.STAGES:
+        assert f"stage_{stage.replace('-', '_')}()" in text, stage
+    assert len(results.STAGES) <= 10
+
+
+def test_every_results_file_is_a_stage_with_where_and_when():
+    found = results.read_results()
+    assert {"engine", "serve", "load"} <= set(found)
+    for stage, d in found.items():
+        assert all(d[k] for k in results.META), stage
+        assert d["parts"], stage
+
+
+def test_a_stray_file_in_the_results_is_refused(tmp_path):
+    (tmp_path / "engine-paged-128.json").write_text("{}")
+    with pytest.raises(ValueError, match="engine-paged-128.json: not a stage's results file"):
+        results.render(tmp_path)
+    (tmp_path / "engine-paged-128.json").unlink()
+    (tmp_path / "engine.json").write_text(json.dumps({"stage": "engine", "parts": {}}))
+    with pytest.raises(ValueError, match=r"engine.json: not written by `bench/results.py stage` \(missing \['command'"):
+        results.render(tmp_path)
+
+
+def test_pytest_counts():
+    log = "....\n=== 109 passed, 1 skipped, 911 deselected, 1 warning in 142.33s (0:02:22) ===\n"
+    assert results.pytest_counts(log) == {"passed": 109, "skipped": 1, "deselected": 911,
+                                          "summary": "109 passed, 1 skipped, 911 deselected, 1 warning in 142.33s (0:02:22)"}
+    with pytest.raises(ValueError, match="no pytest summary line"):
+        results.pytest_counts("ImportError: no module named torch\n")
+
+
+@pytest.fixture
+def suite(tmp_path) -> Path:
+    """bench/gpu.sh with results.py and meta.py in a git tree of their own (no GPU stage runs here)."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    for f in ("gpu.sh", "results.py", "meta.py"):
+        shutil.copy(ROOT / "bench" / f, tree / "bench" / f)
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "t"]):
+        subprocess.run(["git", "-C", str(tree), *args], check=True, capture_output=True)
+    return tree
+
+
+def _gpu_sh(tree: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run(["bash", "bench/gpu.sh", *args], cwd=tree, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": "", **env})
+
+
+def test_a_script_stage_is_skipped_with_a_line_where_its_script_is_absent(suite, tmp_path):
+    r = _gpu_sh(suite, str(tmp_path / "out"), "fetch", "quant")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fetch: skipped: bench/fetch.py is not in this tree" in r.stdout
+    assert "quant: skipped: bench/quant.py is not in this tree" in r.stdout
+    assert not list((tmp_path / "out").iterdir())
+    r = _gpu_sh(suite, str(tmp_path / "out"), "fetch", "ckpt")
+    assert r.returncode == 2 and "unknown stage ckpt (stages: tests load engine" in r.stdout
+
+
+def test_a_stage_writes_its_one_file_and_a_failed_one_keeps_it(suite, tmp_path):
+    # a stand-in for the script another change brings: what the stage passes it, and its JSON
+    (suite / "bench" / "fetch.py").write_text(
+        "import json, sys\n"
+        "a = sys.argv[1:]\n"
+        "if '--fail' in a: sys.exit('failed on purpose')\n"
+        "open(a[a.index('--out') + 1], 'w').write(json.dumps({'summary': {'GBps': 1.5}, 'args': a}))\n")
+    out = suite / "bench" / "results"
+    r = _gpu_sh(suite, str(out), "fetch", FETCH_ARGS="--from s3://b/m")
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads((out / "fetch.json").read_text())
+    assert d["stage"] == "fetch" and d["command"] == "FETCH_ARGS=--from\\ s3://b/m bash bench/gpu.sh OUT fetch"
+    assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", d["commit"]) and d["host"] and d["gpu"] and d["time"]
+    assert d["parts"]["fetch"]["summary"] == {"GBps": 1.5}
+    assert d["parts"]["fetch"]["args"][-2:] == ["--from", "s3://b/m"]
+    # the results dir is the tree's: RESULTS.md made again, with the new figure
+    md = (suite / "bench" / "RESULTS.md").read_text()
+    assert "| `GBps` | 1.500 |" in md and "File: [bench/results/fetch.json](results/fetch.json)" in md
+    r = _gpu_sh(suite, str(out), "fetch", FETCH_ARGS="--fail")
+    assert r.returncode != 0 and "=== fetch failed" in r.stdout and "left as it was" in r.stdout
+    assert json.loads((out / "fetch.json").read_text()) == d
