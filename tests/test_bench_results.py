@@ -50,6 +50,17 @@ def test_the_docs_cite_only_results_that_exist():
         assert (ROOT / "bench" / link).is_file(), link
 
 
+def test_the_readme_and_measurements_quote_results_md():
+    """Every bold figure of the README's "Measured" and measurements.md's "Current figures" is in RESULTS.md."""
+    md = results.RESULTS_MD.read_text()
+    readme = (ROOT / "README.md").read_text()
+    meas = (ROOT / "docs" / "measurements.md").read_text()
+    quoted = readme[readme.index("## Measured"):] + meas[meas.index("## Current figures"):meas.index("### Earlier")]
+    figures = re.findall(r"\*\*([^*]+)\*\*", quoted)
+    assert len(figures) >= 20
+    assert not [f for f in figures if f not in md], "quoted figures that bench/RESULTS.md does not have"
+
+
 def test_gpu_sh_runs_the_stages_results_py_knows():
     text = (ROOT / "bench" / "gpu.sh").read_text()
     assert tuple(re.search(r'^STAGES="([^"]+)"', text, re.M).group(1).split()) == results.STAGES
