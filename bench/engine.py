@@ -412,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "preemptions" in res["engine_stats"]:
         res["preemptions"] = res["engine_stats"]["preemptions"]
     res["kv_cache"], res["shared_prefix"], res["prompt_lens"] = args.kv_cache, args.shared_prefix, args.prompt_lens
+    res["prompt_len"], res["new_tokens"] = args.prompt_len, args.new_tokens
     engine.shutdown()
     del engine
 

@@ -97,6 +97,14 @@ def _load(p: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _load_of(run: dict) -> str:
+    """What each request of an engine run was: its prompt and its new tokens (128 and 128 by default)."""
+    lens = run.get("prompt_lens")
+    prompt = f"{lens[0]}-{lens[1]} in" if lens else f"{run.get('prompt_len', 128)} in"
+    shared = f" behind a shared {run['shared_prefix']}-token prefix" if run.get("shared_prefix") else ""
+    return f"{prompt}, {run.get('new_tokens', 128)} out{shared}"
+
+
 def _engine(p: dict) -> list[tuple[str, str]]:
     runs, base = _runs(p, "run"), _runs(p, "baseline")
     rows = []
@@ -106,7 +114,7 @@ def _engine(p: dict) -> list[tuple[str, str]]:
             if c == 1:
                 continue
             v = _each([r[f"tokens_per_s_b{c}"] for r in runs], 0, "tokens/s")
-            rows.append((f"{c} requests at once (128 in, 128 out), {runs[0].get('kv_cache', '')} cache",
+            rows.append((f"{c} requests at once ({_load_of(runs[0])}), {runs[0].get('kv_cache', '')} cache",
                          f"**{v}**" if c == max(conc) else v))
             if base and f"tokens_per_s_b{c}" in base[0]:
                 rows.append((f"the same, the baseline tree (BASELINE) in the same runs",
@@ -165,11 +173,13 @@ def _serve(p: dict) -> list[tuple[str, str]]:
 
 def _fresh_node(p: dict) -> list[tuple[str, str]]:
     s = p["report"]
-    rounds = s["detail"].get("fresh_runs_s", {})
+    # each kind's starts, round by round (one round: serve.json keeps its start alone)
+    rounds = s["detail"].get("fresh_runs_s") or {k: [v["start_to_running_s"]] for k, v in s["detail"]["fresh"].items()
+                                                 if v.get("start_to_running_s") is not None}
     rows = [("a new node's first replica, round by round (added -> RUNNING)",
              "; ".join(f"{'**' if k == 'coldstart' else ''}{k} {_each(v)} s{'**' if k == 'coldstart' else ''}"
                        for k, v in rounds.items()))]
-    if "fresh_node_goal_s" in s:
+    if {"fresh_node_goal_s", "disk_read_s", "disk_GBps"} <= set(s):
         rows.append(("the goal: minimal + the disk's time for the weights + 1 s (medians)",
                      f"{_num(s['fresh_node_goal_s'])} s (the disk: {_num(s['disk_read_s'])} s, "
                      f"{_num(s['disk_GBps'])} GB/s)"))

@@ -144,3 +144,22 @@ def test_a_stage_writes_its_one_file_and_a_failed_one_keeps_it(suite, tmp_path):
     r = _gpu_sh(suite, str(out), "fetch", FETCH_ARGS="--fail")
     assert r.returncode != 0 and "=== fetch failed" in r.stdout and "left as it was" in r.stdout
     assert json.loads((out / "fetch.json").read_text()) == d
+
+
+def test_the_figures_of_a_stage_run_with_its_variants():
+    """A variant leaves out some of a stage's runs or fields: RESULTS.md shows what there is."""
+    found = results.read_results()
+    run = {k: v for k, v in found["engine"]["parts"]["run-1"].items()
+           if not re.fullmatch(r"tokens_per_s_b(1|64)|decode_ms_per_token_b1", k)}
+    run.update(prompt_lens=[32, 3000], new_tokens=64)  # ENGINE_ARGS="--prompt-lens 32,3000 --new-tokens 64"
+    assert results.FIGURES["engine"]({"run-1": run}) == [
+        ("128 requests at once (32-3000 in, 64 out), paged cache", "**8,362 tokens/s**")]
+    serve = {k: v for k, v in found["serve"]["parts"]["report"].items() if "_cold" not in k}  # SERVE_CACHES=warm
+    rows = dict(results.FIGURES["serve"]({"report": serve}))
+    assert not [k for k in rows if "cold page" in k] and rows[
+        "replica start in Ray Serve (added -> RUNNING, median), warm page cache"].startswith("**6.65 s**; minimal 9.24 s")
+    report = json.loads(json.dumps(found["fresh-node"]["parts"]["report"]))
+    del report["detail"]["fresh_runs_s"]  # FRESH_REPEAT=1
+    assert "**coldstart 16.42 s**" in results.FIGURES["fresh-node"]({"report": report})[0][1]
+    assert results.FIGURES["load"]({"load-warm": {"warm_GBps": 30.0, "warm_runs_GBps": [29.0, 30.0, 31.5]}}) == [
+        ("warm loads (`--warm-only`)", "median 30.0 GB/s of 29.0, 30.0, 31.5")]
