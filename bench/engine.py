@@ -1,7 +1,7 @@
 """Benchmark the native engine against transformers' eager `generate`.
 
 Usage (GPU machine):
-    python bench/engine.py weights/llama-7b --out bench/results/engine.json
+    python bench/engine.py weights/llama-7b --out bench/work/engine.json
     python bench/engine.py /path/to/hf-checkpoint --out ...      # safetensors directory
     python bench/engine.py --random llama-7b --out ...            # random fp16 weights made on the GPU
     python bench/engine.py /tmp/tiny-hf --device cpu --dtype float32 --new-tokens 16 --out /tmp/b.json
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.meta import stamp  # noqa: E402
 from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from deployments.engine.warmup import WarmupPlan, run_warmup  # noqa: E402
 from deployments.model import build_model  # noqa: E402
@@ -411,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "preemptions" in res["engine_stats"]:
         res["preemptions"] = res["engine_stats"]["preemptions"]
     res["kv_cache"], res["shared_prefix"], res["prompt_lens"] = args.kv_cache, args.shared_prefix, args.prompt_lens
+    res["prompt_len"], res["new_tokens"] = args.prompt_len, args.new_tokens
     engine.shutdown()
     del engine
 
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         res["command"] = "python bench/engine.py " + " ".join(sys.argv[1:])
-        args.out.write_text(json.dumps(res, indent=2))
+        args.out.write_text(json.dumps(stamp(res), indent=2))
     return res
 
 

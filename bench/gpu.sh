@@ -1,239 +1,229 @@
 #!/usr/bin/env bash
-# Every GPU measurement of the project, in stages, on one machine:
+# The project's GPU measurements, in ten stages, on one machine:
 #   bash bench/gpu.sh OUT STAGE...
-# Stages: tests ckpt load load-warm coldsweep kernels attention startprofile engine serve-warm
-#         serve-add-cold naive-warm naive-cold scaleup fresh-node restructure-serve restructure-engine
-#         tp-rank tp-serve paged paged-start profile lookahead lookahead-http wide http-options http-clients capacity
-#         http-where engine-knobs prefill-kernels engine-ab
-# OUT receives the logs and result files. The 7B random checkpoint and its packed copy are
-# made once under /tmp/coldstart-bench and reused by every stage.
+# Stages: tests load engine kernels serve fresh-node http tp fetch quant
+# Each stage writes one results file, OUT/STAGE.json: the stage's command, host, GPU, commit and
+# time, and each of its runs' own JSON under "parts" (bench/results.py). Its logs and the runs' own
+# files go to OUT/STAGE/. A stage that fails leaves OUT/STAGE.json as it was.
+#   bash bench/gpu.sh bench/results STAGE...
+# updates the tree's figures and bench/RESULTS.md (git keeps the STAGE.json files only).
+# A stage's variants are environment variables, listed at each stage and recorded in its command.
+# The 7B random checkpoint and its packed copy are made once under /tmp/coldstart-bench and reused.
 set -o pipefail
-out=${1:?usage: bench/gpu.sh OUT STAGE...}; shift
-mkdir -p "$out"
+STAGES="tests load engine kernels serve fresh-node http tp fetch quant"
+out=${1:?usage: bash bench/gpu.sh OUT STAGE... (stages: $STAGES)}; shift
+for stage in "$@"; do  # every name checked before the first stage runs
+  case " $STAGES " in *" $stage "*) ;; *) echo "unknown stage $stage (stages: $STAGES)"; exit 2 ;; esac
+done
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 W=/tmp/coldstart-bench
 # Triton's kernel cache: empty at the first stage that compiles the 7B's kernels, so that
 # stage's first start includes the compile; every later stage finds them cached
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/coldstart-triton-cache}
-# the serving side as it was before its restructure, for the restructure-* stages: a plain
-# checkout (git archive f91d0c1 | tar -x -C .baseline)
-B=${BASELINE:-$PWD/.baseline}
 # serve_config.gpu.yaml's engine (paged, 128 sequences of up to 4096 positions, 2048-token prefill
 # chunks): as bench/engine.py's arguments, and as bench/throughput.py's --engine
 E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2048"
 GPU_ENGINE='{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}'
-# engine_alone CONCURRENCY: that engine alone at CONCURRENCY (a,b,...): its tokens/s at each and the
-# work of its 128-concurrent run
-engine_alone() {
-  python3 bench/engine.py $W/packed $E --concurrency $1 --out "$out/engine-paged.json" 2>&1 \
-    | grep -E "^(tokens_per_s_b(${1//,/|})|work_b128) " | sed 's/^/engine /'
+# each stage's variants, as its command records them
+declare -A VARS=([tests]="TESTS_ARGS" [load]="LOAD_ARGS" [kernels]="KERNELS_ONLY PREFILL_ROWS"
+  [engine]="ENGINE_CONCURRENCY ENGINE_RUNS ENGINE_ARGS ENGINE_PROFILE ENGINE_PREFIX BASELINE"
+  [serve]="SERVE_CACHES SERVE_REPEAT SERVE_EXTRA SERVE_PROFILE" [fresh-node]="FRESH_KINDS FRESH_REPEAT SERVE_EXTRA"
+  [http]="HTTP_CONCURRENCY HTTP_ROUNDS HTTP_ARGS HTTP_ENVS HTTP_SWITCH_MS BASELINE" [tp]="TP_LAYERS"
+  [fetch]="FETCH_ARGS" [quant]="QUANT_ARGS")
+
+ckpt() {  # the 7B-shaped random checkpoint (made on the GPU) and its pack, once
+  [ -f $W/packed/model.cst ] && [ -f $W/hf/config.json ] && return
+  python3 -c "from pathlib import Path; from bench.load import ensure_checkpoint; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])"
 }
-# engine_ab RUNS PROFILE PATTERN: that engine alone at 1, 64 and 128 concurrent, BASELINE (a plain
-# checkout of the commit before a change) beside this tree, alternating, RUNS times each (the first
-# run of each with --profile where PROFILE is 1); the lines of its output that match PATTERN
-engine_ab() {
-  local r=0 run side d p log
-  for run in $(seq $1); do for side in before after; do
-    d=$PWD; [ $side = before ] && d=$B
-    p=""; [ "$2" = 1 ] && [ $run = 1 ] && p=--profile
-    log=$W/engine-$side-$run.log
-    (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency 1,64,128 $p \
-      --out "$out/engine-$side-$run.json") > $log 2>&1 || { r=1; tail -20 $log; }
-    grep -E "$3" $log | sed "s/^/$side $run /"
-  done; done
+
+command_of() {  # the stage's command, with the variants set for it
+  local v c=""
+  for v in ${VARS[$1]}; do [ -n "${!v:-}" ] && c+="$(printf '%s=%q ' "$v" "${!v}")"; done
+  echo "${c}bash bench/gpu.sh OUT $1"
+}
+
+stage_tests() {  # the GPU tests (-m gpu); TESTS_ARGS: more pytest arguments
+  python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS_ARGS:-} tests/ > "$d/pytest.log" 2>&1; local r=$?
+  tail -15 "$d/pytest.log"
+  python3 bench/results.py pytest-counts "$d/pytest.log" "$d/pytest.json" && P+=(pytest="$d/pytest.json")
   return $r
 }
+
+stage_load() {  # the packed 7B onto the GPU warm and cold, beside the disk, safetensors and HF's
+  # from_pretrained (bench/load.py). LOAD_ARGS: its flags instead of --no-sweep (`--warm-only
+  # --repeats 5`, `--warm-only --tree DIR` for another checkout's loader, `--cold-sweep-only`)
+  python3 bench/load.py --work $W --out "$d" ${LOAD_ARGS:---no-sweep} 2>&1 | tail -40; local r=$? f
+  for f in load load-warm load-cold-sweep; do [ -f "$d/$f.json" ] && P+=($f="$d/$f.json"); done
+  return $r
+}
+
+stage_engine() {  # the engine of serve_config.gpu.yaml alone (bench/engine.py, 128 in / 128 out a
+  # request) at ENGINE_CONCURRENCY (1,64,128), ENGINE_RUNS times (1); then, unless ENGINE_PREFIX=0,
+  # 64 chats behind one 1,024-token system prompt, with prefix reuse and without.
+  # ENGINE_ARGS: engine.py's flags after those, so they win (`--kv-cache static --max-slots 16
+  # --max-seq-len 1024`, `--kv-block-size 32`, `--prefill-chunk 4096`, `--prompt-lens 32,3000
+  # --max-slots 256 --concurrency 256` for a load beyond the cache). ENGINE_PROFILE=1: the first run
+  # with --profile (decode steps' device time against their wall time, the loop's busiest
+  # functions). BASELINE=DIR, a plain checkout of the commit before a change (`git archive REV |
+  # tar -x -C DIR`): its runs alternate with this tree's (parts baseline-K and run-K)
+  ckpt || return 1
+  local r=0 k side tree p pc
+  for k in $(seq ${ENGINE_RUNS:-1}); do for side in ${BASELINE:+baseline} run; do
+    tree=$PWD; [ $side = baseline ] && tree=$BASELINE
+    p=""; [ "${ENGINE_PROFILE:-0}" = 1 ] && [ $k = 1 ] && p=--profile
+    (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH python3 bench/engine.py $W/packed $E --concurrency \
+      ${ENGINE_CONCURRENCY:-1,64,128} ${ENGINE_ARGS:-} $p --out "$d/$side-$k.json") > "$d/$side-$k.log" 2>&1 \
+      || { r=1; tail -20 "$d/$side-$k.log"; }
+    grep -E "^(tokens_per_s_b[0-9]+|decode_ms_per_token_b1|ttft_ms_b1|work_b128|preemptions|profile [a-z_]+) " \
+      "$d/$side-$k.log" | sed "s/^/$side $k /"
+    P+=($side-$k="$d/$side-$k.json")
+  done; done
+  [ "${ENGINE_PREFIX:-1}" = 0 ] && return $r
+  for pc in "" --no-prefix-cache; do
+    python3 bench/engine.py $W/packed $E $pc --shared-prefix 1024 --concurrency 64 \
+      --out "$d/prefix${pc:+-off}.json" > "$d/prefix${pc:+-off}.log" 2>&1 || { r=1; tail -20 "$d/prefix${pc:+-off}.log"; }
+    grep -E "^tokens_per_s_b64 " "$d/prefix${pc:+-off}.log" | sed "s/^/prefix${pc:+ off} /"
+    P+=(prefix${pc:+-off}="$d/prefix${pc:+-off}.json")
+  done
+  return $r
+}
+
+stage_kernels() {  # the Triton kernels' sweeps (bench/kernel_sweep.py; KERNELS_ONLY: one of gemv,
+  # attention, paged, wide), then a shared prefill's device time by kernel with PREFILL_ROWS (16 32)
+  # fresh 128-token prompts in one forward (the engine's 2048- and a 4096-token chunk)
+  local r=0 rows
+  python3 bench/kernel_sweep.py ${KERNELS_ONLY:+--only $KERNELS_ONLY} --out "$d/sweep.json" 2>&1 | tail -40 || r=1
+  P+=(sweep="$d/sweep.json")
+  ckpt || return 1
+  for rows in ${PREFILL_ROWS:-16 32}; do
+    python3 bench/prefill_kernels.py $W/packed --rows $rows --out "$d/prefill-$rows.json" > "$d/prefill-$rows.log" 2>&1 \
+      || r=1
+    grep -vE "USDT|^\[" "$d/prefill-$rows.log" | head -22
+    P+=(prefill-$rows="$d/prefill-$rows.json")
+  done
+  return $r
+}
+
+stage_serve() {  # the cold-start report (bench/serve.py): each kind's replica start in Ray Serve with
+  # a warm page cache (SERVE_REPEAT rounds, 5: a host's Ray worker start drifts by seconds), then a
+  # cold one (three rounds), added to it; with two GPUs or more also a 1 -> 2 replica scale-up under
+  # load. SERVE_CACHES: "warm" or "cold" alone; SERVE_EXTRA: more arguments (`--kinds ...`,
+  # `--variant NAME=JSON` without spaces, `--naive --kinds naive` for the article's path: minutes a
+  # start). SERVE_PROFILE=1: also the replica's start under cProfile (bench/start_profile.py, after
+  # a first start that fills the caches, as on a node that ran the model before)
+  local r=0 c a n
+  n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for c in ${SERVE_CACHES:-warm cold}; do
+    a="--caches $c"; [ $c = warm ] && a+=" --repeat ${SERVE_REPEAT:-5}"
+    [ $c = cold ] && [[ " ${SERVE_CACHES:-warm cold} " = *" warm "* ]] && a+=" --merge $W/serve-partial.json"
+    [ $c = cold ] && [ "$n" -ge 2 ] && a+=" --scale-up"
+    python3 bench/serve.py --work $W --out "$d" --report "$d" $a ${SERVE_EXTRA:-} > "$d/serve-$c.log" 2>&1 || r=1
+    grep -E "added->RUNNING|^- " "$d/serve-$c.log"
+  done
+  P+=(report="$d/serve.json")
+  if [ "${SERVE_PROFILE:-0}" = 1 ]; then
+    python3 bench/start_profile.py $W/packed 2>&1 | tail -1
+    python3 bench/start_profile.py $W/packed --top 80 --out "$d/start-profile.json" 2>&1 | tail -4 || r=1
+    P+=(start-profile="$d/start-profile.json")
+  fi
+  return $r
+}
+
+stage_fresh_node() {  # a new node's first replica: before each deploy Triton's cache (and the
+  # verdicts and bytecode kept beside it) emptied, the project's written bytecode removed and the page
+  # cache dropped; FRESH_KINDS (minimal,coldstart,coldstart-nokernels: coldstart without the kernels
+  # shipped in the packed model by `coldstart kernels`, run first), FRESH_REPEAT rounds (3);
+  # SERVE_EXTRA as in serve. First the installed packages' bytecode is compiled, as the image's build
+  # does (without it every fresh start compiles torch, Triton and Ray from source)
+  python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+    ${PYTHONPATH//:/ } > /dev/null 2>&1
+  python3 bench/serve.py --work $W --out "$d" --report "$d" --kinds ${FRESH_KINDS:-minimal,coldstart,coldstart-nokernels} \
+    --caches fresh --repeat ${FRESH_REPEAT:-3} ${SERVE_EXTRA:-} > "$d/fresh-node.log" 2>&1; local r=$?
+  grep -E "added->RUNNING|^- new node" "$d/fresh-node.log"
+  P+=(report="$d/serve.json")
+  return $r
+}
+
+stage_http() {  # the engine of serve_config.gpu.yaml alone at HTTP_CONCURRENCY (128), then the same
+  # replica through Ray Serve's HTTP front (bench/throughput.py: 8 client processes sending from one
+  # instant, HTTP_ROUNDS bursts, 4), each in its own Ray instance. HTTP_ARGS: throughput.py's flags
+  # beside those (`--sample-s 0.02`: the replica's /stats every 20 ms; `--prompt-len 3000 --sample-s
+  # 0.5 --rounds 1`: the capacity share under a load beyond the cache; `--clients 1`). HTTP_ENVS:
+  # NAME=VALUE words, one more run with each in the environment Ray starts in
+  # (RAY_SERVE_THROUGHPUT_OPTIMIZED=1); HTTP_SWITCH_MS=N: one more with Python's switch interval at
+  # N ms in every Ray process (a sitecustomize on their PYTHONPATH). BASELINE=DIR: that checkout's
+  # HTTP run first (part baseline)
+  ckpt || return 1
+  local r=0 c=${HTTP_CONCURRENCY:-128} i=1 env envs=${HTTP_ENVS:-} name tree f
+  python3 bench/engine.py $W/packed $E --concurrency $c --out "$d/engine.json" > "$d/engine.log" 2>&1 \
+    || { r=1; tail -20 "$d/engine.log"; }
+  grep -E "^(tokens_per_s_b[0-9]+|work_b128) " "$d/engine.log" | sed 's/^/engine /'
+  P+=(engine="$d/engine.json")
+  if [ -n "${HTTP_SWITCH_MS:-}" ]; then
+    mkdir -p $W/switch && echo "import sys; sys.setswitchinterval($HTTP_SWITCH_MS / 1000)" > $W/switch/sitecustomize.py
+    envs="$envs PYTHONPATH=$W/switch:$PYTHONPATH"
+  fi
+  for env in ${BASELINE:+baseline} "" $envs; do
+    name=http; tree=$PWD
+    if [ "$env" = baseline ]; then name=baseline; tree=$BASELINE; env=""
+    elif [ -n "$env" ] || [ $i -gt 1 ]; then i=$((i + 1)); name=http-$i; fi
+    (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH python3 bench/throughput.py --packed $W/packed --out "$d/$name" \
+      --concurrency $c --clients 8 --rounds ${HTTP_ROUNDS:-4} ${env:+--env $env} ${HTTP_ARGS:-} \
+      --engine "$GPU_ENGINE") > "$d/$name.log" 2>&1 || { r=1; tail -20 "$d/$name.log"; }
+    grep -E "concurrent:" "$d/$name.log" | sed "s/^/$name ${env:+$env }/"
+    for f in "$d/$name"/throughput-*.json; do [ -f "$f" ] && P+=($name="$f"); done
+  done
+  return $r
+}
+
+stage_tp() {  # one GPU: rank 0 of a 70B-shaped TP=4 split pack (TP_LAYERS of its 80 layers, 20, to
+  # fit the disk) loaded warm and cold, the ranks' channel per decode call on this host's cores, and a
+  # whole rank's batch-1 decode step (the all-reduce left out); with 2 GPUs or more a 13B-shaped TP=2
+  # replica in Ray Serve, with 4 a 70B-shaped TP=4 one (bench/tp.py)
+  local r=0 n
+  python3 bench/tp.py rank-load --work $W --out "$d" --layers ${TP_LAYERS:-20} 2>&1 | tail -12 || r=1
+  python3 bench/tp.py channel --work $W --out "$d" 2>&1 | tail -12 || r=1
+  rm -rf $W/llama3-70b-tp4-*  # (tens of GB: the next runs need the disk)
+  python3 bench/engine.py --random llama3-70b --tp-rank 4 --max-seq-len 4096 --no-hf \
+    --out "$d/engine-rank.json" > "$d/engine-rank.log" 2>&1 || { r=1; tail -20 "$d/engine-rank.log"; }
+  grep -E "^(weight_gb|decode_ms_per_token_b1|tokens_per_s_b(1|16)) " "$d/engine-rank.log"
+  P+=(rank-load="$d/tp-rank-load.json" channel="$d/tp-channel.json" engine-rank="$d/engine-rank.json")
+  n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  if [ "$n" -ge 2 ]; then
+    python3 bench/tp.py serve --work $W --out "$d" --shape llama2-13b --tp 2 2>&1 | tail -8 || r=1
+    P+=(serve-tp2="$d/tp-serve-llama2-13b-tp2.json"); fi
+  if [ "$n" -ge 4 ]; then
+    python3 bench/tp.py serve --work $W --out "$d" --shape llama3-70b --tp 4 ${TP_LAYERS:+--layers $TP_LAYERS} 2>&1 \
+      | tail -8 || r=1
+    P+=(serve-tp4="$d/tp-serve-llama3-70b-tp4.json"); fi
+  return $r
+}
+
+script_stage() {  # NAME ARGS...: bench/NAME.py --out OUT/NAME/NAME.json ARGS, or a line saying why not
+  # (the script makes what it measures; bench/load.py's ensure_checkpoint makes the 7B under $W)
+  local name=$1; shift
+  if [ ! -f bench/$name.py ]; then echo "$name: skipped: bench/$name.py is not in this tree"; SKIP=1; return 0; fi
+  python3 bench/$name.py --out "$d/$name.json" "$@" 2>&1 | tail -30; local r=$?
+  P+=($name="$d/$name.json")
+  return $r
+}
+# weights from object storage and between nodes (FETCH_ARGS: bench/fetch.py's flags)
+stage_fetch() { script_stage fetch ${FETCH_ARGS:-}; }
+# quantized checkpoints: load and decode (QUANT_ARGS: bench/quant.py's flags)
+stage_quant() { script_stage quant ${QUANT_ARGS:-}; }
+
 rc=0
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
-  case $stage in
-    tests)   python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
-    ckpt)    python3 -c "import sys; sys.path.insert(0, '.'); from bench.load import ensure_checkpoint; from pathlib import Path; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])" ;;
-    load)    python3 bench/load.py --out "$out" --no-sweep 2>&1 | tail -40 ;;
-    load-warm) python3 bench/load.py --out "$out" --warm-only --repeats 5 2>&1 | tail -3 ;;
-    coldsweep) python3 bench/load.py --out "$out" --cold-sweep-only 2>&1 | tail -30 ;;
-    kernels) python3 bench/kernel_sweep.py --out "$out/kernel-sweep.json" 2>&1 | tail -40 ;;
-    attention) python3 bench/kernel_sweep.py --only attention --out "$out/attention-sweep.json" 2>&1 | tail -14 ;;
-    startprofile) # the replica's start under cProfile (main thread), as on a node that ran the model
-             # before: a first start keeps the kernels' verdicts and fills the caches
-             python3 bench/start_profile.py $W/packed 2>&1 | tail -1
-             python3 bench/start_profile.py $W/packed --top 80 --out "$out/start-profile.json" 2>&1 | tail -4 ;;
-    engine)  python3 bench/engine.py $W/packed --max-seq-len 4096 --out "$out/engine.json" 2>&1 | tail -40 ;;
-    serve-warm|serve-add-cold) # the report in two device calls: every kind with a warm page cache
-             # (five rounds: a host's Ray worker start drifts by seconds within a run), then on the same
-             # machine with a cold one (three rounds), added to the first call's report
-             if [ $stage = serve-warm ]; then a="--caches warm --repeat 5"; else a="--caches cold --merge $W/serve-partial.json"; fi
-             # (SERVE_EXTRA: more arguments, e.g. --kinds ... or --variant NAME=JSON without spaces)
-             python3 bench/serve.py --out "$out" --report "$out" $a ${SERVE_EXTRA:-} > "$out/$stage.log" 2>&1; r=$?
-             grep -E "added->RUNNING|^- " "$out/$stage.log"; (exit $r) ;;
-    naive-warm|naive-cold) # the article's naive path (minutes per start: one device call each)
-             python3 bench/serve.py --out "$out" --report "$out" --naive --kinds naive --caches ${stage#naive-} \
-               --merge $W/serve-partial.json > "$out/serve-$stage.log" 2>&1; r=$?
-             grep -E "added->RUNNING|^\\|" "$out/serve-$stage.log"; (exit $r) ;;
-    scaleup) python3 bench/serve.py --out "$out" --scale-up-only 2>&1 | tail -40 ;;
-    fresh-node) # a new node's first replica: before each deploy Triton's cache (and the verdicts and
-             # bytecode kept beside it) emptied, the project's written bytecode removed and the page
-             # cache dropped; coldstart with the kernels shipped in the packed model (`coldstart
-             # kernels`, run first), without them, and the minimal replica, three rounds; merged into
-             # the serve-warm stage's report where one ran on this machine. First the installed
-             # packages' bytecode is compiled, as the image's build does (this machine's packages
-             # carry none: without it every fresh start compiles torch, Triton and Ray from source)
-             python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-               ${PYTHONPATH//:/ } > /dev/null 2>&1
-             m=""; [ -f $W/serve-partial.json ] && m="--merge $W/serve-partial.json"
-             python3 bench/serve.py --out "$out" --report "$out" --kinds ${FRESH_KINDS:-minimal,coldstart,coldstart-nokernels} \
-               --caches fresh --repeat ${FRESH_REPEAT:-3} $m ${SERVE_EXTRA:-} > "$out/fresh-node.log" 2>&1; r=$?
-             grep -E "added->RUNNING|^- new node" "$out/fresh-node.log"; (exit $r) ;;
-    restructure-serve) # a replica's start in Ray before the restructure and after it, each beside the
-             # minimal replica in its own run (three warm rounds); after: also with the collector's pause
-             # left out (the first run of this stage also left out the prime and the GIL switch
-             # interval, both removed since: docs/measurements.md)
-             (cd "$B" && PYTHONPATH=$B:$PYTHONPATH python3 bench/serve.py --out "$out/before" --kinds minimal,coldstart \
-               --caches warm --repeat 3) > "$out/serve-before.log" 2>&1; r1=$?
-             grep -E "added->RUNNING" "$out/serve-before.log" | sed 's/^/before /'
-             python3 bench/serve.py --out "$out/after" --kinds minimal,coldstart --caches warm --repeat 3 \
-               --variant gcon='{"env": {"COLDSTART_PAUSE_GC": "0"}}' > "$out/serve-after.log" 2>&1; r2=$?
-             grep -E "added->RUNNING" "$out/serve-after.log" | sed 's/^/after  /'; (exit $((r1 | r2))) ;;
-    restructure-engine) # the engine (batch-1 decode, 16 concurrent) and the warm load, before and after
-             (cd "$B" && PYTHONPATH=$B:$PYTHONPATH python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf \
-               --out "$out/engine-before.json") > "$out/engine-before.log" 2>&1; r1=$?
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --out "$out/engine-after.json" \
-               > "$out/engine-after.log" 2>&1; r2=$?
-             grep -hE "^(decode_ms_per_token_b1|tokens_per_s_b(1|16)|capture_warmup_s) " "$out/engine-before.log" | sed "s/^/before /"
-             grep -hE "^(decode_ms_per_token_b1|tokens_per_s_b(1|16)|capture_warmup_s) " "$out/engine-after.log" | sed "s/^/after  /"
-             python3 bench/load.py --out "$out/before" --warm-only --repeats 5 --tree "$B" 2>&1 | tail -1
-             python3 bench/load.py --out "$out/after" --warm-only --repeats 5 2>&1 | tail -1; (exit $((r1 | r2))) ;;
-    tp-rank) # one GPU: rank 0 of a 70B-shaped TP=4 split pack (TP_LAYERS of its 80 layers, to fit the
-             # disk), loaded warm and cold; the ranks' channel per decode call; and a whole rank's batch-1
-             # decode step, the all-reduce left out
-             python3 bench/tp.py rank-load --out "$out" --layers ${TP_LAYERS:-20} 2>&1 | tail -12
-             python3 bench/tp.py channel --out "$out" 2>&1 | tail -12  # lockstep's cost per decode call, on this host's cores
-             rm -rf $W/llama3-70b-tp4-*  # (tens of GB: the next stages need the disk)
-             python3 bench/engine.py --random llama3-70b --tp-rank 4 --max-seq-len 4096 --no-hf \
-               --out "$out/engine-tp4-rank.json" 2>&1 | grep -E "^(weight_gb|decode_ms_per_token_b1|tokens_per_s_b(1|16)) " ;;
-    tp-serve) # several GPUs: a 13B-shaped TP=2 replica, and where there are 4 GPUs a 70B-shaped TP=4 one
-             n=$(python3 -c "import torch; print(torch.cuda.device_count())")
-             python3 bench/tp.py serve --out "$out" --shape llama2-13b --tp 2 2>&1 | tail -8; r=$?
-             # (TP_LAYERS: the 70B with fewer of its 80 layers, where the disk cannot hold its checkpoint and pack)
-             if [ "$n" -ge 4 ]; then python3 bench/tp.py serve --out "$out" --shape llama3-70b --tp 4 \
-                 ${TP_LAYERS:+--layers $TP_LAYERS} 2>&1 | tail -8
-               r=$((r | $?)); fi; (exit $r) ;;
-    paged)   # the paged KV cache beside the static one, the engine alone: static with 16 slots (the
-             # static default's figure) and with 128 of 1024 positions (what fits), paged as
-             # serve_config.gpu.yaml has it (128 of 4096, 2048-token prefill chunks, the reserve the
-             # engine derives), prefix reuse on and off behind a shared system prompt, a mixed load
-             # beyond the cache; then the paged replica through Ray Serve's HTTP front at 64 and 128
-             # concurrent (128 in, 128 out; eight files in all, what a device run brings back)
-             python3 bench/engine.py $W/packed --max-seq-len 4096 --no-hf --max-slots 16 --concurrency 1,16 \
-               --out "$out/engine-static-16.json" 2>&1 | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+) " | sed 's/^/static16  /'
-             python3 bench/engine.py $W/packed --max-seq-len 1024 --no-hf --max-slots 128 --concurrency 32,64,128 \
-               --out "$out/engine-static-128.json" 2>&1 | grep -E "^tokens_per_s_b[0-9]+ " | sed 's/^/static128 /'
-             python3 bench/engine.py $W/packed $E --concurrency 1,16,32,64,128 --out "$out/engine-paged-128.json" 2>&1 \
-               | grep -E "^(decode_ms_per_token_b1|tokens_per_s_b[0-9]+|work_b(64|128)|capture_warmup_s|reserve_gib|prefill_peak(_reserved)?_gib) " \
-               | sed 's/^/paged128  /'
-             for pc in "" --no-prefix-cache; do  # 64 chats behind one 1024-token system prompt
-               python3 bench/engine.py $W/packed $E $pc --shared-prefix 1024 --concurrency 64 \
-                 --out "$out/engine-paged-shared${pc:+-off}.json" 2>&1 \
-                 | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024${pc:+ off} /"; done
-             # the same 64 behind a system prompt the cache has not seen (one computes it, the others share it)
-             python3 bench/engine.py $W/packed $E --shared-prefix 1024 --new-prefix --concurrency 64 \
-               --out "$out/engine-paged-shared-new.json" 2>&1 | grep -E "^tokens_per_s_b64 " | sed "s/^/shared1024 new /"
-             # a mixed load more than the cache holds at once: 256 prompts of 32-3000 tokens (preemptions,
-             # no request lost)
-             python3 bench/engine.py $W/packed ${E/--max-slots 128/--max-slots 256} --prompt-lens 32,3000 --concurrency 256 \
-               --out "$out/engine-paged-mixed.json" 2>&1 | grep -E "^tokens_per_s_b256 |preemptions|prefill_peak" | sed 's/^/mixed256  /'
-             # (each burst's line: the engine's steps, shared prefills and busy time in it, and the
-             # requests' time outside the engine, beside the engine run's work_b64/128 above)
-             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 \
-               --engine "$GPU_ENGINE" 2>&1 \
-               | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http /" ;;
-    paged-start) # the replica's start in Ray with the paged engine of serve_config.gpu.yaml beside the
-             # static one of 16 slots, three warm rounds each
-             python3 bench/serve.py --out "$out/paged-start" --kinds minimal,coldstart --caches warm --repeat 3 \
-               --variant paged='{"engine":{"kv_cache":"paged","max_slots":128,"prefill_chunk":2048}}' \
-               > "$out/paged-start.log" 2>&1; r=$?
-             grep -E "added->RUNNING" "$out/paged-start.log"; (exit $r) ;;
-    profile) # where a step's time goes at 128 concurrent: the paged attention beside the static one
-             # (kernels alone), then the engine's decode steps' device time against their wall time
-             # and the loop thread's busiest functions, static and paged, and paged with longer
-             # prefill chunks
-             python3 bench/kernel_sweep.py --only paged --out "$out/paged-attention-sweep.json" 2>&1 | grep -E "^paged"
-             for v in "static 1024 512" "paged 4096 512" "paged 4096 2048"; do set -- $v
-               python3 bench/engine.py $W/packed --max-seq-len $2 --no-hf --max-slots 128 --kv-cache $1 \
-                 --prefill-chunk $3 --concurrency 128 --profile --out "$out/profile-$1-$3.json" 2>&1 \
-                 | grep -E "^(profile |tokens_per_s_b128 |  *[0-9/]+ +[0-9.]+ +[0-9.]+ +[0-9.]+)" | head -24 \
-                 | sed "s/^/$1-$3 /"; done ;;
-    http-options) # the paged engine of serve_config.gpu.yaml alone, then through Ray Serve's HTTP front with
-             # Ray Serve's defaults and with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (its replicas' own HTTP servers, user
-             # code on the replica's event loop, request logs buffered), each in its own Ray instance
-             engine_alone 64,128
-             for env in "" RAY_SERVE_THROUGHPUT_OPTIMIZED=1; do
-               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 64,128 ${env:+--env $env} \
-                 --engine "$GPU_ENGINE" 2>&1 \
-                 | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/http${env:+ $env} /"; done ;;
-    http-clients) # http-options at 128 concurrent with the requests sent by 8 client processes from one instant
-             # (bench/throughput.py --clients 8): Ray Serve's throughput-optimized mode first, then its defaults
-             engine_alone 128
-             for env in RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ""; do
-               python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 2 --clients 8 \
-                 ${env:+--env $env} --engine "$GPU_ENGINE" \
-                 2>&1 | grep -E "concurrent:" | sed "s/^/http${env:+ $env} /"; done ;;
-    http-where) # where a burst through Ray Serve's HTTP front loses time against the engine alone: the paged
-             # engine of serve_config.gpu.yaml alone at 128 concurrent (its busy time split into prefill and
-             # decode), then through the HTTP front (8 client processes) four bursts (and so with each of
-             # HTTP_ENVS, NAME=VALUE words, in the environment Ray starts in), then two more with the replica's
-             # /stats sampled every 20 ms (when the whole burst was in the engine); each in its own Ray instance.
-             # HTTP_SWITCH_MS=N adds a variant, twice, alternating with the defaults: Python's switch interval at
-             # N ms in every Ray process (a sitecustomize on their PYTHONPATH)
-             engine_alone 128
-             envs=${HTTP_ENVS:-}
-             if [ -n "${HTTP_SWITCH_MS:-}" ]; then
-               mkdir -p $W/switch && echo "import sys; sys.setswitchinterval($HTTP_SWITCH_MS / 1000)" > $W/switch/sitecustomize.py
-               envs="$envs PYTHONPATH=$W/switch:$PYTHONPATH '' PYTHONPATH=$W/switch:$PYTHONPATH"; fi
-             i=0; for env in "" $envs; do env=${env#\'\'}; i=$((i + 1))
-               python3 bench/throughput.py --packed $W/packed --out "$out/http-$i" --concurrency 128 --clients 8 --rounds 4 \
-                 ${env:+--env $env} --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | awk -v l="http ${env:-defaults}" '{print l, $0}'
-             done
-             python3 bench/throughput.py --packed $W/packed --out "$out/sampled" --concurrency 128 --clients 8 --rounds 2 \
-               --sample-s 0.02 --engine "$GPU_ENGINE" 2>&1 | grep -E "concurrent:" | sed "s/^/http sampled /" ;;
-    engine-knobs) # the paged engine of serve_config.gpu.yaml at 64 and 128 concurrent, then with 32-position
-             # KV blocks, then with 4096-token prefill chunks (32 fresh 128-token prompts a forward)
-             for v in "" "--kv-block-size 32" "--prefill-chunk 4096"; do
-               python3 bench/engine.py $W/packed $E $v --concurrency 64,128 --out "$out/engine${v// /}.json" 2>&1 \
-                 | grep -E "^(tokens_per_s_b(64|128)|work_b128) " | sed "s/^/engine${v:+ $v} /"; done ;;
-    capacity) # what the capacity policy reads on a GPU: the paged replica of serve_config.gpu.yaml through
-             # Ray Serve's HTTP front, 128 requests of 3,000-token prompts at once (more than its cache holds),
-             # its /stats sampled every 0.5 s (capacity share, running, waiting, free blocks)
-             python3 bench/throughput.py --packed $W/packed --out "$out" --concurrency 128 --rounds 1 --prompt-len 3000 \
-               --sample-s 0.5 --engine "$GPU_ENGINE" \
-               2>&1 | grep -E "concurrent:" ;;
-    engine-ab) # the paged engine of serve_config.gpu.yaml at 1, 64 and 128 concurrent, BASELINE (a plain checkout
-             # of the commit before a change) beside this tree, alternating, AB_RUNS (default 1) times each
-             engine_ab ${AB_RUNS:-1} 0 "^(tokens_per_s_b(64|128)|decode_ms_per_token_b1|ttft_ms_b1|work_b128) " ;;
-    prefill-kernels) # a shared prefill's device time by kernel: 16 fresh 128-token prompts in one forward (the
-             # engine's 2048-token chunk), then 32 (a 4096-token one)
-             for rows in 16 32; do python3 bench/prefill_kernels.py $W/packed --rows $rows \
-               --out "$out/prefill-kernels-$rows.json" 2>&1 | grep -vE "USDT|^\[" | head -22; done ;;
-    wide)    # a 128-row decode step's parts: the projections through cuBLAS, the paged attention at the
-             # engine benchmark's lengths (defaults and the attention sweep's configs)
-             python3 bench/kernel_sweep.py --only wide --out "$out/wide-sweep.json" 2>&1 | grep -E "^wide" ;;
-    lookahead|lookahead-http) # the engine's loop with each step launched before the last one's tokens
-             # are read, beside the loop before it (BASELINE: a plain checkout of the commit before it), with the
-             # paged engine of serve_config.gpu.yaml: the engine alone at 64 and 128 concurrent (two runs of
-             # each side, alternating; the first with its decode steps' device time against their wall time),
-             # or (lookahead-http) through Ray Serve's HTTP front, each side in its own Ray instance
-             G="^(tokens_per_s_b(1|64|128)|work_b128|profile (tokens_per_s|wall_ms_per_step|decode_device_ms_per_step|decode_device_share|prefill_device_share)) "
-             r=0
-             if [ $stage = lookahead ]; then engine_ab 2 1 "$G" || r=1
-             else for side in before after; do
-               d=$PWD; [ $side = before ] && d=$B
-               (cd "$d" && PYTHONPATH=$d:$PYTHONPATH python3 bench/throughput.py --packed $W/packed --out "$out/http-$side" \
-                 --concurrency 64,128 --engine "$GPU_ENGINE") 2>&1 \
-                 | grep -E "concurrent:|tokens_per_s_c" | sed "s/^/$side /" || r=1
-             done; fi; (exit $r) ;;
-    *) echo "unknown stage $stage"; exit 2 ;;
-  esac
-  r=$?; [ $r -ne 0 ] && { echo "=== $stage failed: rc=$r"; rc=$r; }
+  d=$out/$stage; rm -rf "$d"; mkdir -p "$d"; P=(); SKIP=0
+  stage_${stage//-/_}; r=$?
+  if [ $SKIP = 1 ]; then rm -rf "$d"
+  elif [ $r -ne 0 ]; then echo "=== $stage failed: rc=$r ($out/$stage.json left as it was)"; rc=$r
+  else python3 bench/results.py stage $stage "$out/$stage.json" --command "$(command_of $stage)" \
+      "${P[@]/#/--part=}" || rc=1
+  fi
 done
+[ "$out" = "$PWD/bench/results" ] && { python3 bench/results.py || rc=1; }
 echo "=== done $(date +%T)"
 exit $rc

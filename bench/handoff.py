@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.meta import stamp  # noqa: E402
 from deployments.engine.request import Chunk, RequestHandle, delivered_together  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def main() -> None:
     if a.out:
         res["command"] = "python bench/handoff.py " + " ".join(sys.argv[1:])
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        a.out.write_text(json.dumps(stamp(res), indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.meta import stamp  # noqa: E402
 from deployments.kernels import ops, policy  # noqa: E402
 from deployments.model.attention import matmul_decode_attention  # noqa: E402
 
@@ -125,7 +126,7 @@ def sweep_attention(dtype: torch.dtype) -> dict:
     at each config with kv_len, and its defaults again with kv_len = the whole cache (one
     graph per batch size: each row still reads only up to its position). (The sweep that
     chose tensor-core dots for one query head per kv head too, against the CUDA-core dots
-    the kernel had for those: bench/results/runs/attention-sweep-v1.json.)"""
+    the kernel had for those: `git show 2adce49^:bench/results/runs/attention-sweep-v1.json`.)"""
     out = {}
     Dh = 128
     for name, B, H, n_kv, L, spread in ATTN_CASES:
@@ -280,7 +281,7 @@ def main() -> None:
         res["wide"] = sweep_wide(torch.float16)
     res["seconds"] = time.perf_counter() - t0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    Path(a.out).write_text(json.dumps(stamp(res), indent=1))
     print(f"wrote {a.out} in {res['seconds']:.0f} s")
 
 

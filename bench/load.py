@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root (as root, for drop_caches):
 
-    python bench/load.py --work /tmp/coldstart-bench --out bench/results
+    python bench/load.py --work /tmp/coldstart-bench --out bench/work
 
 Makes (or reuses) a Llama-2-7B-shaped random fp16 checkpoint, packs it, then
 measures, each in a fresh process after `import torch` and CUDA context
@@ -230,7 +230,7 @@ def cold_pairs(packed: Path, n: int, disk_args: tuple[str, ...] = ("16",)) -> li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="/tmp/coldstart-bench")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "work"))
     ap.add_argument("--shape", default="llama-7b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold-pairs", type=int, default=3,
@@ -247,6 +247,7 @@ def main() -> None:
                     help="only the disk's rate and the cold settings (writes load-cold-sweep.json)")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from bench.meta import stamp
     hf, packed, prep = ensure_checkpoint(Path(a.work), a.shape)
     print(f"prepared {prep}", flush=True)
 
@@ -259,7 +260,7 @@ def main() -> None:
                    command="python bench/load.py " + " ".join(sys.argv[1:]))
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "load-warm.json").write_text(json.dumps(res, indent=2))
+        (out / "load-warm.json").write_text(json.dumps(stamp(res), indent=2))
         print(f"warm: median {res['warm_GBps']:.2f} GB/s of {', '.join(f'{g:.2f}' for g in gbps)} ({a.tree})")
         return
     print("limits:", flush=True)
@@ -274,7 +275,7 @@ def main() -> None:
         res["command"] = "python bench/load.py " + " ".join(sys.argv[1:])
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "load-cold-sweep.json").write_text(json.dumps(res, indent=2))
+        (out / "load-cold-sweep.json").write_text(json.dumps(stamp(res), indent=2))
         return
     run("disk", str(packed), "16")  # warm the cache for the page-cache figure
     res["pagecache_pinned"] = run("pagecache_pinned", str(packed))
@@ -336,7 +337,7 @@ def main() -> None:
     res["command"] = "python bench/load.py " + " ".join(sys.argv[1:])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "load.json").write_text(json.dumps({**summary, "detail": res}, indent=2))
+    (out / "load.json").write_text(json.dumps(stamp({**summary, "detail": res}), indent=2))
     (out / "load.md").write_text(render_md(summary, res))
     print(render_md(summary, res))
 

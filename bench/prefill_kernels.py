@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.meta import stamp  # noqa: E402
 from deployments.model import build_model  # noqa: E402
 
 # cuBLAS' kernels' names hold one of these (on the CPU: the operators')
@@ -93,7 +94,7 @@ def main() -> None:
         print(f"  {r['ms']:8.3f} ms {r['calls']:5d}x  {r['kernel']}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(res, indent=1))
+        a.out.write_text(json.dumps(stamp(res), indent=1))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Run on the GPU machine from the repository root (makes the 7B random checkpoint
 and packs it under --work if bench/load.py has not, or give --hf and --packed):
 
-    PYTHONPATH=$PWD python bench/serve.py --out bench/results --report docs
+    PYTHONPATH=$PWD python bench/serve.py --out bench/work --report docs
 
 For each replica kind, deployed alone on the GPU: deploy (serve.run,
 non-blocking), poll until the application is RUNNING (Ray routes only to
@@ -41,7 +41,7 @@ Every coldstart start is asked the same greedy question; the report says whether
 all of them gave the same tokens (a start that serves wrong ones does not count).
 `--kinds` and `--caches` pick some of them; `--merge WORK/serve-partial.json`
 adds them to an earlier run on the same machine (the naive path takes minutes
-per start: `bash bench/gpu.sh OUT serve naive-warm naive-cold`);
+per start: `SERVE_EXTRA="--naive --kinds naive" bash bench/gpu.sh OUT serve`);
 `--from-partial` writes the report of a run that was cut short. Writes serve.json / serve.md
 into --out and, with --report DIR, coldstart-report.{json,md,png} into DIR
 (the PNG needs matplotlib).
@@ -75,7 +75,7 @@ from deployments.startup import bytecode, early  # noqa: E402
 ENV = {"CUDA_MODULE_LOADING": "LAZY", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
        "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
        # Triton's kernel cache: the deployments find the 7B's kernels there, as on a node that ran
-       # the model before (a new node compiles them once: `bash bench/gpu.sh OUT startenv` times it)
+       # the model before (a new node compiles them once: `bash bench/gpu.sh OUT fresh-node` times it)
        **({"TRITON_CACHE_DIR": os.environ["TRITON_CACHE_DIR"]} if "TRITON_CACHE_DIR" in os.environ else {})}
 # the worker-wide bytecode cache (serve_config.yaml's commented option): the same directory a
 # replica keeps its own in (deployments.bytecode, from the same TRITON_CACHE_DIR as ENV's), so
@@ -355,7 +355,7 @@ def main() -> None:
                     help="where the 7B checkpoint is made (if absent) and packed")
     ap.add_argument("--hf", help="an HF checkpoint directory instead (default: WORK/hf)")
     ap.add_argument("--packed", help="its packed copy (default: WORK/packed)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "work"))
     ap.add_argument("--report", help="also write coldstart-report.{json,md,png} into this folder")
     ap.add_argument("--skip-cold", action="store_true")
     ap.add_argument("--naive", action="store_true", help="add the article's naive path (minutes)")

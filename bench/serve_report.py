@@ -8,6 +8,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.meta import stamp
+
 REPEATED = ("minimal", "minimal-cached", "minimal-early", "minimal-worker-cached", "coldstart")
 # the goals: coldstart (as deployed, and with the worker-wide cache) against each floor
 MINUS = (("coldstart", "minimal", "goal: + 2 s or less"),
@@ -235,7 +237,7 @@ def finish(res: dict, out_dir: str, report_dir: str | None, command: str) -> Non
     summary["command"] = command
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps({**summary, "detail": res}, indent=2))
+    (out / "serve.json").write_text(json.dumps(stamp({**summary, "detail": res}), indent=2))
     md = ["A replica's start as Ray reports it: from the controller adding the replica to the controller "
           "marking it RUNNING (constructor, reconfigure, Ray's gc.collect() and first health check done), "
           "each deployment alone. Runs without that figure (carried from runs before it was recorded) give "

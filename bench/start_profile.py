@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.meta import stamp  # noqa: E402
 
 
 def top(stats: pstats.Stats, key: str, n: int) -> list[dict]:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps({k: st.get(k) for k in keys}
                      | {k: res["phases_s"].get(k) for k in ("engine_graphs", "engine")}))
     if a.out:
-        a.out.write_text(json.dumps(res, indent=2))
+        a.out.write_text(json.dumps(stamp(res), indent=2))
     return res
 
 

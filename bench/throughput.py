@@ -36,6 +36,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.meta import stamp  # noqa: E402
 
 
 def prompt_texts(packed: Path, n: int, count: int) -> list[str]:
@@ -197,7 +198,7 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for the replica and Ray's processes (repeatable); the result file is "
                          "named after them")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "work"))
     a = ap.parse_args()
     import ray
     from ray import serve
@@ -268,7 +269,7 @@ def main() -> None:
     name = "-".join(["throughput", a.engine.get("kv_cache", "static"), *(f"{k}{v}" for k, v in extra.items()),
                      *([f"prompt{a.prompt_len}"] if a.prompt_len != 128 else [])])
     name = re.sub(r"[^a-z0-9_.=-]+", "_", name.replace("COLDSTART_", "").lower())[:120] + ".json"
-    (out / name).write_text(json.dumps(res, indent=2))
+    (out / name).write_text(json.dumps(stamp(res), indent=2))
     print(json.dumps(res["summary"], indent=2))
 
 

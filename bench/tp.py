@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.load import cold_pairs, drop_caches, run, warm_cache  # noqa: E402
+from bench.meta import stamp  # noqa: E402
 
 
 def split_pack(work: Path, shape: str, tp: int, layers: int | None, device: str = "cuda") -> tuple[Path, dict]:
@@ -175,7 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["rank-load", "serve", "channel"])
     ap.add_argument("--work", default="/tmp/coldstart-bench")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "work"))
     ap.add_argument("--layers", type=int, help="write only this many of the shape's layers (to fit the disk)")
     ap.add_argument("--repeats", type=int, default=3, help="rank-load: warm loads")
     ap.add_argument("--cold-pairs", type=int, default=3, help="rank-load: cold loads, each after a disk read")
@@ -192,7 +193,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = {"rank-load": "tp-rank-load.json", "channel": "tp-channel.json"}.get(a.what, f"tp-serve-{a.shape}-tp{a.tp}.json")
-    (out / name).write_text(json.dumps(res, indent=2))
+    (out / name).write_text(json.dumps(stamp(res), indent=2))
     print(json.dumps(res["summary"], indent=2))
 
 

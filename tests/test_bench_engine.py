@@ -24,6 +24,7 @@ def test_a_mixed_load_over_the_paged_cache_with_the_step_profile(tmp_path):
     res = _bench(tmp_path, "--kv-cache", "paged", "--max-slots", "8", "--concurrency", "1,8",
                  "--prompt-lens", "8,100", "--profile", "--prefill-chunk", "64")
     assert res["prompt_lens"] == [8, 100] and res["kv_cache"] == "paged" and res["preemptions"] == 0
+    assert all(res[k] for k in ("host", "gpu", "commit", "time"))  # where and when it ran (bench/meta.py)
     assert res["tokens_per_s_b8"] > 0 and res["tokens_per_s_b1"] > 0
     # every concurrent prompt's tokens were prefilled: 8 prompts of 8..100 tokens, and the profile's 8 more
     assert res["engine_stats"]["finished"] >= 8 + 8
