@@ -263,12 +263,42 @@ def _remote_fns():
     return own_service, raw_peer, peer_load
 
 
-def part_serve(packed: Path, uri: str, rounds: int) -> dict:
+def _shipped_zero_autoscaling() -> dict:
+    """serve_config.zero.yaml's autoscaling settings (the policy left out: it reads /stats)."""
+    import yaml
+    cfg = yaml.safe_load((ROOT / "serve_config.zero.yaml").read_text())
+    dep = next(d for d in cfg["applications"][0]["deployments"] if d["name"] == "LLMDeployment")
+    return {k: v for k, v in dep["autoscaling_config"].items() if k != "policy"}
+
+
+def from_zero(name: str, app, body: dict) -> dict:
+    """``app`` deployed with no replica, then one request: when it was answered, when Ray added its
+    replica, and that replica's start (Ray added -> RUNNING)."""
     import httpx
+    from ray import serve
+
+    from bench.serve import ray_view
+    serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
+    while str(getattr(serve.status().applications.get(name), "status", "")).split(".")[-1] != "RUNNING":
+        time.sleep(0.1)
+    time.sleep(1.0)  # (the proxy's routes settled, as for a user who comes later)
+    sent = time.time()
+    r = httpx.post(f"http://127.0.0.1:8000/{name}/generate", json=body, timeout=600)
+    answered = time.time()
+    seen = ray_view(name)
+    out = {"status": r.status_code, "first_answer_s": answered - sent, "added_after_request_s": seen["added_at"] - sent,
+           "start_to_running_s": seen.get("running_at", float("nan")) - seen["added_at"]}
+    print(f"  {name}: first answer {out['first_answer_s']:.2f} s after the request; its replica added "
+          f"{out['added_after_request_s']:.2f} s after it, started in {out['start_to_running_s']:.2f} s", flush=True)
+    serve.delete(name)
+    return out
+
+
+def part_serve(packed: Path, uri: str, rounds: int, zero_only: bool = False) -> dict:
     import ray
     from ray import serve
 
-    from bench.serve import CONFIG_ENV, ENV, WARMUP, Minimal, measure, ray_view
+    from bench.serve import CONFIG_ENV, ENV, WARMUP, Minimal, measure
     from deployments.app import LLMDeployment
     s3 = {k: os.environ[k] for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
     ray.init(runtime_env={"env_vars": {**ENV, **s3}}, include_dashboard=False)
@@ -281,7 +311,7 @@ def part_serve(packed: Path, uri: str, rounds: int) -> dict:
             **ENV, **CONFIG_ENV, **s3, **env}}}, user_config=WARMUP, **opts)
         return dep.bind(model=model, device=DEV, engine={"max_slots": 16, "max_seq_len": 4096 if DEV == "cuda" else 512})
     res: dict = {"rounds": []}
-    for i in range(rounds):
+    for i in range(0 if zero_only else rounds):
         local = measure(f"coldstart-local-{i}", app(str(packed), {"COLDSTART_EARLY_WEIGHTS": str(packed)}),
                         "/generate", body)
         cache = WORK / f"cache-serve-{i}"
@@ -289,24 +319,18 @@ def part_serve(packed: Path, uri: str, rounds: int) -> dict:
         remote = measure(f"coldstart-remote-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache)}), "/generate", body)
         held = measure(f"coldstart-held-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache)}), "/generate", body)
         res["rounds"].append({"local": local, "remote_empty_cache": remote, "remote_node_copy": held})
-    # scale from zero: the application up with no replica, then one request
-    name = "coldstart-zero"
-    serve.run(app(str(packed), {"COLDSTART_EARLY_WEIGHTS": str(packed)}, autoscaling_config={
-        "min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 16,
-        "downscale_delay_s": 600}), name=name, route_prefix=f"/{name}", blocking=False)
-    while str(getattr(serve.status().applications.get(name), "status", "")).split(".")[-1] != "RUNNING":
-        time.sleep(0.1)
-    sent = time.time()
-    r = httpx.post(f"http://127.0.0.1:8000/{name}/generate", json=body, timeout=600)
-    answered = time.time()
-    seen = ray_view(name)
-    res["scale_from_zero"] = {"status": r.status_code, "first_answer_s": answered - sent,
-                              "added_after_request_s": seen["added_at"] - sent,
-                              "start_to_running_s": seen.get("running_at", float("nan")) - seen["added_at"]}
-    print(f"scale from zero: first answer {answered - sent:.2f} s after the request; its replica added "
-          f"{res['scale_from_zero']['added_after_request_s']:.2f} s after it, started in "
-          f"{res['scale_from_zero']['start_to_running_s']:.2f} s", flush=True)
-    serve.delete(name)
+    # scale from zero: the application up with no replica, then one request; Ray's autoscaling
+    # defaults beside the shipped scale-to-zero config's settings
+    zero = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 16,
+            "downscale_delay_s": 600}
+    shipped = _shipped_zero_autoscaling()
+    res["scale_from_zero"] = []
+    for i in range(rounds):
+        for tag, cfg in (("defaults", zero), ("shipped", {**shipped, "max_replicas": 1}),
+                         ("interval-only", {**zero, "metrics_interval_s": shipped["metrics_interval_s"]})):
+            res["scale_from_zero"].append({"config": tag, "autoscaling": cfg, **from_zero(
+                f"coldstart-zero-{tag}-{i}", app(str(packed), {"COLDSTART_EARLY_WEIGHTS": str(packed)},
+                                                 autoscaling_config=cfg), body)})
     serve.shutdown()
     ray.shutdown()
     return res
@@ -322,6 +346,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="the result file (JSON)")
     ap.add_argument("--parts", default="source,peer,serve")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--zero-only", action="store_true", help="serve: only the scale-from-zero rounds")
     a = ap.parse_args()
     packed = Path(a.packed)
     import torch
@@ -343,7 +368,7 @@ def main() -> None:
             out["peer"] = part_peer(packed, uri, Path(out["source"]["cache_with_model"]), a.rounds)
             Path(a.out).write_text(json.dumps(out, indent=1))
         if "serve" in parts:
-            out["serve"] = part_serve(packed, uri, a.rounds)
+            out["serve"] = part_serve(packed, uri, a.rounds, a.zero_only)
     finally:
         server.terminate()
         Path(a.out).write_text(json.dumps(out, indent=1))

@@ -8,7 +8,9 @@ changed, all listed in `gpu_overlay` and nothing else:
 - `k8s/rayservice.yaml`: its `serveConfigV2` block (only the text of that
   block is rewritten, so the rest of the file keeps its comments; only
   `applications` is copied, since KubeRay owns the proxies' host and port);
-- `serve_config.gpu.yaml`: for cluster.yaml and the Docker image.
+- `serve_config.gpu.yaml`: for cluster.yaml and the Docker image;
+- `serve_config.zero.yaml`: the GPU config scaled to zero when idle, its model in object
+  storage (`zero_overlay`).
 
     python k8s/sync.py            # rewrite both
     python k8s/sync.py --check    # exit 1 if either is out of date (CI)
@@ -83,6 +85,35 @@ def gpu_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+ZERO_CONFIG = ROOT / "serve_config.zero.yaml"
+# where serve_config.zero.yaml's nodes find the packed model: object storage (`coldstart push`)
+ZERO_MODEL = "s3://models/llama-2-7b"
+# a deployment scaled to zero: Ray's proxy holds the first request until a replica is warm; these
+# settings bring that replica soonest and keep it a while (docs/operations.md "Scale from zero")
+ZERO_AUTOSCALING = {"min_replicas": 0, "initial_replicas": 0, "upscale_delay_s": 0,
+                    "metrics_interval_s": 0.5, "look_back_period_s": 5, "downscale_to_zero_delay_s": 900}
+
+
+def zero_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
+    """serve_config.gpu.yaml's application scaled to zero when idle, its model in object storage:
+    any GPU node can start a replica (it fetches the model from its peers or the store once)."""
+    cfg = gpu_overlay(cfg)
+    for app in cfg["applications"]:
+        if "model" in (app.get("args") or {}):
+            app["args"]["model"] = ZERO_MODEL
+            app.get("runtime_env", {}).get("env_vars", {}).pop("COLDSTART_EARLY_WEIGHTS", None)
+        for dep in app.get("deployments", []):
+            if dep.get("autoscaling_config"):
+                dep["autoscaling_config"].update(ZERO_AUTOSCALING)
+    return cfg
+
+
+def render_zero_config(cfg: dict[str, Any]) -> str:
+    return ("# generated from serve_config.yaml by k8s/sync.py (see zero_overlay there):\n"
+            "# edit serve_config.yaml, then run python k8s/sync.py\n"
+            + yaml.safe_dump(zero_overlay(cfg), sort_keys=False, width=100))
+
+
 def render_gpu_config(cfg: dict[str, Any]) -> str:
     return ("# generated from serve_config.yaml by k8s/sync.py (see gpu_overlay there):\n"
             "# edit serve_config.yaml, then run python k8s/sync.py\n"
@@ -129,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-config", type=Path, default=SERVE_CONFIG)
     ap.add_argument("--rayservice", type=Path, default=RAYSERVICE)
     ap.add_argument("--gpu-config", type=Path, default=GPU_CONFIG)
+    ap.add_argument("--zero-config", type=Path, default=ZERO_CONFIG)
     a = ap.parse_args(argv)
     cfg = yaml.safe_load(a.serve_config.read_text())
     serve_applications(a.serve_config)  # validates the shape
@@ -137,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     new_rs = render(old_rs, apps)
     old_gpu = a.gpu_config.read_text() if a.gpu_config.exists() else ""
     new_gpu = render_gpu_config(cfg)
+    old_zero = a.zero_config.read_text() if a.zero_config.exists() else ""
+    new_zero = render_zero_config(cfg)
+    files = ((a.rayservice, old_rs, new_rs), (a.gpu_config, old_gpu, new_gpu), (a.zero_config, old_zero, new_zero))
     if a.check:
-        stale = [str(p) for p, old, new in ((a.rayservice, old_rs, new_rs),
-                                            (a.gpu_config, old_gpu, new_gpu)) if old != new]
+        stale = [str(p) for p, old, new in files if old != new]
         if stale:
             print(f"{', '.join(stale)} out of date with {a.serve_config}: run python k8s/sync.py",
                   file=sys.stderr)
             return 1
         return 0
-    for path, old, new in ((a.rayservice, old_rs, new_rs), (a.gpu_config, old_gpu, new_gpu)):
+    for path, old, new in files:
         if new != old:
             path.write_text(new)
             print(f"updated {path}")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from helpers_remote import RangeServer, free_port, make_bucket, no_partials, s3_server
 from weights import PackOptions, pack
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.ray
 CHUNK = 64 << 10
 NODES = ("a", "b", "c")
 ENGINE = {"max_slots": 4, "max_seq_len": 512}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +149,15 @@ def test_scale_from_zero_to_two_nodes_and_back_with_no_request_lost(world, tmp_p
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
     base = f"http://127.0.0.1:{port}/scale"
+    # the shipped scale-to-zero settings (serve_config.zero.yaml), with the test's own scale: a target
+    # of one request per replica, two replicas at most, and seconds instead of minutes before zero
+    shipped = yaml.safe_load((ROOT / "serve_config.zero.yaml").read_text())["applications"][0]["deployments"][0]
+    auto = {k: v for k, v in shipped["autoscaling_config"].items() if k != "policy"}
+    assert auto["min_replicas"] == auto["initial_replicas"] == 0
+    auto.update(max_replicas=2, target_ongoing_requests=1, downscale_delay_s=4, downscale_to_zero_delay_s=4,
+                look_back_period_s=2)
     dep = LLMDeployment.options(
-        name="scale", ray_actor_options={"num_cpus": 0, "resources": {"slot": 1}},
-        autoscaling_config={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 2,
-                            "target_ongoing_requests": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 4,
-                            "downscale_to_zero_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 2},
+        name="scale", ray_actor_options={"num_cpus": 0, "resources": {"slot": 1}}, autoscaling_config=auto,
         health_check_period_s=1, user_config={"warmup": {"requests": 1}})
     serve.run(dep.bind(model=uri, engine=ENGINE), name="scale", route_prefix="/scale", blocking=False)
     _wait(lambda: "scale" in serve.status().applications, 60, "the application")
