@@ -203,6 +203,7 @@ def part_peer(packed: Path, uri: str, held_cache: Path, rounds: int) -> dict:
                   f"{pipe['GBps']:.2f} GB/s (from {pipe['bytes_from']}), ratio {r['ratio']:.3f}", flush=True)
             res["rounds"].append(r)
             cluster.remove_node(node)
+            shutil.rmtree(empty, ignore_errors=True)  # (the disk holds few copies of a 7B)
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -319,6 +320,7 @@ def part_serve(packed: Path, uri: str, rounds: int, zero_only: bool = False) -> 
         remote = measure(f"coldstart-remote-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache)}), "/generate", body)
         held = measure(f"coldstart-held-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache)}), "/generate", body)
         res["rounds"].append({"local": local, "remote_empty_cache": remote, "remote_node_copy": held})
+        shutil.rmtree(cache, ignore_errors=True)
     # scale from zero: the application up with no replica, then one request; Ray's autoscaling
     # defaults beside the shipped scale-to-zero config's settings
     zero = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 16,
