@@ -67,15 +67,17 @@ def world(tiny_hf, tmp_path_factory):
 
 
 @ray.remote(num_cpus=0)
-def _fetch_here(uri: str) -> tuple[dict, dict, str]:
-    """On the node the task is pinned to: the model into its cache, from its peers or the source."""
+def _fetch_here(uri: str, piece: int = 16 << 20) -> tuple[dict, dict, str]:
+    """On the node the task is pinned to: the model into its cache, from its peers or the source, in
+    pieces of ``piece`` bytes, beginning where this node begins (as a replica's start does)."""
     from deployments.node_cache import model_cache
     from deployments.peers import RayPeers
     from weights.fetch import Fetch, resolve
     cache = model_cache()
-    got = resolve(uri, cache, peers=RayPeers(cache.root))
+    peers = RayPeers(cache.root)
+    got = resolve(uri, cache, peers=peers)
     if isinstance(got, Fetch):
-        got.run(threads=4)
+        got.run(threads=2, piece_bytes=piece, start=peers.start_piece(len(got.pieces(piece))))
         return dict(got.stats.bytes_from), dict(got.stats.dropped), str(got.entry)
     return {}, {}, str(got)
 
@@ -189,3 +191,24 @@ def test_scale_from_zero_to_two_nodes_and_back_with_no_request_lost(world, tmp_p
     again = _generate(base)
     assert again.status_code == 200 and again.json()["token_ids"] == first.json()["token_ids"]
     serve.delete("scale")
+
+
+def test_nodes_starting_together_pass_pieces_to_each_other(world, tiny_hf):
+    """Two nodes fetch a model no node holds, at once, from a slow source: each begins at its own
+    piece and takes from the other what it already checked, so the source sends less than two copies."""
+    _, caches, _, _, www = world
+    # a pack of its own (another chunk size: another digest), so no node's earlier copy serves it
+    model = pack(tiny_hf, www.root / "together", PackOptions(progress=False, chunk_bytes=CHUNK // 2))
+    www.fault(delay_s=0.1)
+    try:
+        uri = f"{www.url}/together"
+        refs = [_fetch_here.options(resources={f"node_{n}": 0.01}).remote(uri, CHUNK // 2) for n in ("b", "c")]
+        results = ray.get(refs, timeout=300)
+    finally:
+        www.fault(delay_s=0)
+    want = (model / "model.cst").read_bytes()
+    for _, dropped, entry in results:
+        assert not dropped and _weights(entry) == want
+    from_peers = [sum(v for k, v in got.items() if k != uri) for got, _, _ in results]
+    assert sum(from_peers) > 0, results
+    assert www.stats()["sent"]["together/model.cst"] < 2 * len(want)
