@@ -337,7 +337,7 @@ def parse_packed(p: Path, size: int, read: "Callable[[int, int], bytes]", where:
     if len(pre) < _PREAMBLE.size or pre[:8] != MAGIC:
         raise _fail(shown, f"not a coldstart packed file (magic {pre[:8]!r}, expected {MAGIC!r}); "
                            "re-create it with `coldstart pack`")
-    magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
+    _magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
         _PREAMBLE.unpack_from(pre)
     if len(pre) == PREAMBLE_BYTES and version <= FORMAT_VERSION:
         want_crc = struct.unpack_from("<I", pre, _CRC_AT)[0]

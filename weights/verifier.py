@@ -140,6 +140,3 @@ def _verify_file(path: str | os.PathLike, progress=None) -> VerifyReport:
             progress(min((first + k) * cb, packed.data_bytes))
     return report
 
-
-def is_packed_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / "model.cst").is_file()

@@ -26,7 +26,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -186,7 +186,7 @@ class Engine:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         self.shutdown()
 
     # ---------------------------------------------------------------- the loop
@@ -339,8 +339,3 @@ class Engine:
             seq.ahead -= 1
         self.scheduler.take(seqs, tokens(toks), dtype)
 
-
-def iter_text(handle: RequestHandle) -> Iterator[str]:
-    """Blocking iteration over a request's text deltas (tests, CLI)."""
-    for chunk in handle:
-        yield chunk.text

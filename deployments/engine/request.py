@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-FINISH_REASONS = (None, "stop", "length", "cancelled", "error")
 # Stop strings per request: they are looked for after each token in the engine's loop, which
 # every request's steps share; 10,000 of them took 3 ms per token on the development VM
 # (OpenAI's API takes 4).
@@ -119,7 +118,7 @@ class TextState:
             return self._take(len(self.text)), True
         return self._take(len(self.text) - self._held()), False
 
-    def finish(self, stopped: bool) -> str:
+    def finish(self) -> str:
         """Everything still held back (incomplete character, partial stop string)."""
         if self._dec is not None:
             self.text += self._dec.flush()

@@ -53,7 +53,6 @@ class LLMServer:
         self.metrics = metrics or Metrics()
         self.timer = PhaseTimer(sinks=[self.metrics.phase])
         self.warm = False
-        self.warmups = 0
         self.started = start(self.args, self.timer, own_process=own_process).run()
         self.ranks = getattr(self.started, "ranks", None)  # a tensor-parallel replica's other ranks
         self.engine, self.tokenizer, self.model = self.started.engine, self.started.tokenizer, self.started.model
@@ -79,7 +78,6 @@ class LLMServer:
         finally:
             if first:  # the start's own end: its garbage-collector pause (Start.finish)
                 self.started.finish(warm=ok)
-        self.warmups += 1
         if first:
             self.warm = True
             self.warm_at = time.time()

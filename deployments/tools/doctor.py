@@ -30,14 +30,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from deployments.gpu_facts import (  # noqa: F401  (parsers re-exported: part of the doctor's API)
-    PROC_DRIVER_VERSION, GpuInfo, _loaded_libraries, _runtime_wheel_version, _vtuple, driver_cuda_version,
-    driver_verdict, parse_nvidia_smi, parse_proc_driver_version, probe_driver, visibility_verdict)
-from deployments.tools.check import (CONTEXT_WARN_S, DEFAULT_MODEL_DIR, GIB, PINNED_WARN_GBPS,  # noqa: F401
-                                     READ_WARN_GBPS, STATUSES, WEIGHTS_FILE, Check, DoctorOptions)
-from deployments.tools.doctor_files import (  # noqa: F401  (the checks' helpers: part of the doctor's API)
-    check_bytecode, check_kernel_cache, check_page_cache, check_read_speed, drop_page_cache, kernel_cache_verdict,
-    model_files, mount_of, page_cache_fraction, read_files)
+from deployments.gpu_facts import (PROC_DRIVER_VERSION, GpuInfo, _loaded_libraries, _runtime_wheel_version, _vtuple,
+                                   driver_cuda_version, driver_verdict, probe_driver, visibility_verdict)
+from deployments.tools.check import (CONTEXT_WARN_S, DEFAULT_MODEL_DIR, PINNED_WARN_GBPS, STATUSES, Check,
+                                     DoctorOptions)
+from deployments.tools.doctor_files import (check_bytecode, check_kernel_cache, check_page_cache, check_read_speed,
+                                            drop_page_cache, model_files)
+
 
 def check_driver(opts: DoctorOptions, torch_cuda: str | None,
                  probed: tuple[str | None, list[GpuInfo], str]) -> Check:
