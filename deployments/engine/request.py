@@ -16,9 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-# Stop strings per request: they are looked for after each token in the engine's loop, which
-# every request's steps share; 10,000 of them took 3 ms per token on the development VM
-# (OpenAI's API takes 4).
+# Stop strings per request: bounded because they are looked for after each token in the
+# engine's loop, which every request's steps share (docs/measurements.md).
 MAX_STOP_STRINGS = 64
 # Stop token ids are one set lookup per token; the bound only keeps a request's set small.
 MAX_STOP_TOKEN_IDS = 1024
@@ -150,8 +149,8 @@ _together = _Together()
 @contextlib.contextmanager
 def delivered_together() -> Iterator[None]:
     """Chunks put in this thread meanwhile reach each asyncio consumer's loop in one
-    ``call_soon_threadsafe`` at the end, in order (one wake-up of a loop per step, where a
-    call per request took ~1 ms of the engine's thread per step at 128 requests)."""
+    ``call_soon_threadsafe`` at the end, in order: one wake-up of a loop per step, not one call
+    per request, each of which costs the engine's thread (docs/measurements.md)."""
     if _together.pending is not None:  # nested: the outer one delivers
         yield
         return

@@ -1,6 +1,6 @@
 """Serve an architecture without a native implementation through transformers.
 
-Slower to start (importing transformers costs 10-12 s on the GPU machine) and
+Slower to start (transformers' model classes take seconds to import) and
 slower to decode (eager, one sequence per forward, no CUDA graphs), but any
 `*ForCausalLM` that transformers knows still serves. transformers is imported
 only inside `build_hf_model`, never at module import.
