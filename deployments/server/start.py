@@ -324,7 +324,8 @@ def _peers(root: Any) -> Any:
 def check_pack(path: Any, tp: int) -> None:
     """``path`` holds a packed model for ``tp`` ranks: one model.cst, or a split pack of exactly
     ``tp`` ranks; otherwise an error saying what is there and what to do."""
-    from weights.tp import is_split_pack, read_manifest
+    from weights.format import read_manifest
+    from weights.tp import is_split_pack
     if is_split_pack(path):
         size = read_manifest(path)["size"]
         if tp == 1:
