@@ -90,7 +90,10 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 MAGIC = b"CLDSTRT\x00"
 FORMAT_VERSION = 1
@@ -281,7 +284,7 @@ def read_json(path: Path, then: str) -> dict:
     return doc
 
 
-def read_tokenizer(path: Path, then: str) -> Any:
+def read_tokenizer(path: Path, then: str) -> Tokenizer:
     """tokenizer.json as a ``tokenizers.Tokenizer``; ValueError naming the file, the library's
     reason and ``then`` if the library cannot read it."""
     from tokenizers import Tokenizer

@@ -38,8 +38,8 @@ from deployments.engine.runner import ModelRunner, bucket
 from deployments.engine.sampling import tokens
 from deployments.engine.scheduler import NonFiniteLogits, Scheduler, Seq, is_device_error
 
-if TYPE_CHECKING:  # (both import what the engine's hot path does not need)
-    from deployments.engine.mirror import Channel
+if TYPE_CHECKING:  # annotations only: torch.distributed and the tokenizer's module stay unimported here
+    from deployments.engine.mirror import Channel, Mirrored
     from deployments.engine.tokenizer import Tokenizer
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "NonFiniteLogits", "RequestHandle", "SamplingParams",
@@ -67,7 +67,7 @@ class Engine:
         self.device = model.device
         self.vocab_size = model.vocab_size  # the logits' width (a tensor-parallel rank's config holds its slice)
         self._eos = set(tokenizer.eos_token_ids if tokenizer is not None else [])
-        self.runner: Any = ModelRunner(model, cfg)
+        self.runner: ModelRunner | Mirrored = ModelRunner(model, cfg)
         if channel is not None:
             from deployments.engine.mirror import Mirrored
             self.runner = Mirrored(self.runner, channel)

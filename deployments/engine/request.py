@@ -14,7 +14,10 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from deployments.engine.tokenizer import IncrementalDecoder
 
 # Stop strings per request: bounded because they are looked for after each token in the
 # engine's loop, which every request's steps share (docs/measurements.md).
@@ -97,7 +100,7 @@ class Chunk:
 class TextState:
     """Incremental text with stop strings: holds back any tail that could start a stop string."""
 
-    def __init__(self, decoder: Any | None, stop: list[str]):
+    def __init__(self, decoder: IncrementalDecoder | None, stop: list[str]):
         self._dec = decoder
         self._stop = list(stop)
         self._max_stop = max((len(s) for s in stop), default=0)

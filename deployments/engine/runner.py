@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -272,7 +272,7 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
-        def timed(key: int | str, run: Any) -> None:
+        def timed(key: int | str, run: Callable[[], object]) -> None:
             t = time.perf_counter()
             try:
                 run()

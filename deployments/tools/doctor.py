@@ -28,6 +28,7 @@ import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Mapping, Sequence
 
 from deployments.gpu_facts import (PROC_DRIVER_VERSION, GpuInfo, _loaded_libraries, _runtime_wheel_version, _vtuple,
@@ -83,7 +84,7 @@ def check_torch_build(opts: DoctorOptions) -> tuple[Check, Any]:
                  f" (import took {import_s:.1f} s)", "", data), torch
 
 
-def check_cuda_runtime(opts: DoctorOptions, torch: Any) -> Check:
+def check_cuda_runtime(opts: DoctorOptions, torch: ModuleType) -> Check:
     """The CUDA runtime torch loaded, against the one it was built for and the driver's."""
     name = "cuda runtime"
     if torch is None or torch.version.cuda is None:
@@ -117,7 +118,7 @@ def check_cuda_runtime(opts: DoctorOptions, torch: Any) -> Check:
 
 
 # ---------------------------------------------------------------- which GPU
-def check_visible_gpu(opts: DoctorOptions, torch: Any, listed: list[GpuInfo]) -> Check:
+def check_visible_gpu(opts: DoctorOptions, torch: ModuleType, listed: list[GpuInfo]) -> Check:
     name = "visible gpu"
     count = None
     if torch is not None and torch.version.cuda is not None:
@@ -132,7 +133,7 @@ def check_visible_gpu(opts: DoctorOptions, torch: Any, listed: list[GpuInfo]) ->
 
 
 # ---------------------------------------------------------------- CUDA context
-def check_cuda_context(opts: DoctorOptions, torch: Any) -> Check:
+def check_cuda_context(opts: DoctorOptions, torch: ModuleType) -> Check:
     """Time the first CUDA context in this process: torch.cuda.init() plus the first
     allocation (the runtime creates the primary context lazily, at first use)."""
     name = "cuda context"
@@ -167,7 +168,7 @@ def check_cuda_context(opts: DoctorOptions, torch: Any) -> Check:
     return Check(name, "ok", detail, "", data)
 
 
-def check_gpu_memory(opts: DoctorOptions, torch: Any) -> Check:
+def check_gpu_memory(opts: DoctorOptions, torch: ModuleType) -> Check:
     name = "gpu memory"
     if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
         return _no_gpu(name, opts, "no usable CUDA device")
@@ -223,7 +224,7 @@ def check_env() -> Check:
 
 
 # ---------------------------------------------------------------- host -> device
-def check_pinned_h2d(opts: DoctorOptions, torch: Any, nbytes: int = 256 << 20) -> Check:
+def check_pinned_h2d(opts: DoctorOptions, torch: ModuleType, nbytes: int = 256 << 20) -> Check:
     name = "pinned h2d"
     if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
         return _no_gpu(name, opts, "no usable CUDA device")
