@@ -16,3 +16,10 @@ _.post_processor
 _.architectures  # transformers reads config.architectures when it saves a model
 pytestmark  # pytest reads a test module's marks by this name
 ray_instance  # a pytest fixture: tests name it to have Ray running
+_.do_GET  # http.server calls a request handler's do_<METHOD> and log_message, reads protocol_version
+_.do_HEAD
+_.do_POST
+_.log_message
+_.protocol_version
+_.daemon_threads  # socketserver reads its server class's settings by these names
+_.allow_reuse_address

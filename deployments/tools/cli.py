@@ -146,8 +146,7 @@ def model_to_serve(path: str | Path, tp: int | None) -> tuple[Path | str, int | 
     config says, one), checked before Ray starts: one model (``packed_model``), or a split pack
     whose every rank's file reads (served over as many ranks; ``tp``, where given, must agree).
     A remote model (``s3://...``) stays its URI, its header read and checked at the source."""
-    from weights.format import read_packed
-    from weights.format import read_manifest
+    from weights.format import read_manifest, read_packed
     from weights.remote import is_remote
     from weights.tp import is_split_pack, rank_path
     if is_remote(str(path)):
