@@ -110,8 +110,6 @@ def raw_boto3(uri: str, pieces: list[tuple[int, int]]) -> dict | None:
 
 def load_remote(uri: str, cache_dir: Path) -> dict:
     """``weights.load`` of the URI onto the GPU, the node cache at ``cache_dir``; its phases."""
-    import torch
-
     from weights import load
     from weights.cache import NodeCache
     t0 = time.perf_counter()
@@ -134,8 +132,6 @@ def _sync(empty: bool = False) -> None:
 
 
 def load_local(packed: Path) -> dict:
-    import torch
-
     from weights import load
     t0 = time.perf_counter()
     m = load(packed, DEV)

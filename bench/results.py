@@ -117,7 +117,7 @@ def _engine(p: dict) -> list[tuple[str, str]]:
             rows.append((f"{c} requests at once ({_load_of(runs[0])}), {runs[0].get('kv_cache', '')} cache",
                          f"**{v}**" if c == max(conc) else v))
             if base and f"tokens_per_s_b{c}" in base[0]:
-                rows.append((f"the same, the baseline tree (BASELINE) in the same runs",
+                rows.append(("the same, the baseline tree (BASELINE) in the same runs",
                              _each([r[f"tokens_per_s_b{c}"] for r in base], 0, "tokens/s")))
         if "decode_ms_per_token_b1" in runs[0]:
             rows.append(("batch-1 decode", _each([r["decode_ms_per_token_b1"] for r in runs], 2, "ms/token")))

@@ -467,8 +467,8 @@ def main() -> None:
         kinds = {k: v for k, v in kinds.items() if k in asked}
     if any(k.startswith("coldstart") for k in kinds) and not a.merge:
         # Triton's kernel cache (ENV's TRITON_CACHE_DIR) holds the 7B's kernels before coldstart is
-        # measured, as on a node that ran the model before: a new node's first replica compiles
-        # them (its engine took 5.2 s instead of 1.0-1.8 in serve-v21's first round)
+        # measured, as on a node that ran the model before; a new node's first replica compiles
+        # them, which the fresh-node stage measures on its own (docs/measurements.md)
         ours("prime")
     if "transformers-cached" in kinds and not a.merge:  # its modules in the bytecode cache before it is measured
         measure("prime-transformers", hf_rep.bind(str(hf), False, True), "", {})

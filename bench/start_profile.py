@@ -37,7 +37,7 @@ from bench.meta import stamp  # noqa: E402
 def top(stats: pstats.Stats, key: str, n: int) -> list[dict]:
     """The n functions with the most ``key`` time ('cumulative' or 'tottime')."""
     rows = []
-    for (path, line, name), (cc, nc, tt, ct, _) in stats.stats.items():  # type: ignore[attr-defined]
+    for (path, line, name), (_cc, nc, tt, ct, _) in stats.stats.items():  # type: ignore[attr-defined]
         rows.append({"function": f"{Path(path).name}:{line}({name})" if path != "~" else name,
                      "where": path, "calls": nc, "own_s": round(tt, 4), "cumulative_s": round(ct, 4)})
     rows.sort(key=lambda r: r["cumulative_s" if key == "cumulative" else "own_s"], reverse=True)

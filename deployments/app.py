@@ -10,13 +10,16 @@ before paying for torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
 from deployments.config import DeploymentArgs, parse
 from deployments.server.metrics import Metrics
 from deployments.server.replica import LLMServer
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 @serve.deployment(
@@ -35,7 +38,7 @@ class LLMDeployment(LLMServer):
     def __init__(self, **args: Any):
         super().__init__(**args, metrics=Metrics(use_ray=True), own_process=True)
 
-    def __serve_build_asgi_app__(self) -> Any:
+    def __serve_build_asgi_app__(self) -> FastAPI:
         from deployments.server.http import build
         return build(self)
 

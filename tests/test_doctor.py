@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.tools import doctor
+from deployments import gpu_facts
+from deployments.tools import check, doctor, doctor_files
 from deployments.tools.doctor import Check, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def model_dir(tmp_path: Path) -> Path:
     """A stand-in packed model: a model.cst of 3 MiB + 5 bytes, plus a config."""
     d = tmp_path / "model"
     d.mkdir()
-    (d / doctor.WEIGHTS_FILE).write_bytes(os.urandom((3 << 20) + 5))
+    (d / check.WEIGHTS_FILE).write_bytes(os.urandom((3 << 20) + 5))
     (d / "config.json").write_text("{}")
     return d
 
@@ -91,10 +92,10 @@ def test_json_report_without_gpu(capsys, model_dir):
     assert checks["env vars"]["status"] in ("ok", "warn")
     read = checks["read speed"]
     assert read["status"] in ("ok", "warn")
-    assert read["data"]["bytes"] == int(0.001 * doctor.GIB)  # --read-gib caps the read
+    assert read["data"]["bytes"] == int(0.001 * check.GIB)  # --read-gib caps the read
     assert read["data"]["gbps"] > 0
     cache = checks["page cache"]
-    assert cache["data"]["files"] == [str(model_dir / doctor.WEIGHTS_FILE)]
+    assert cache["data"]["files"] == [str(model_dir / check.WEIGHTS_FILE)]
     frac = cache["data"]["fraction"]
     assert (cache["status"] == "skip" and frac is None) or (cache["status"] == "ok" and frac > 0)
 
@@ -193,14 +194,14 @@ def test_table_wraps_to_width():
 def test_weights_file_name_matches_the_format():
     from weights.format import WEIGHTS_FILE
 
-    assert doctor.WEIGHTS_FILE == WEIGHTS_FILE
+    assert check.WEIGHTS_FILE == WEIGHTS_FILE
 
 
 # ------------------------------------------------------------------ files, page cache, reads
 def test_page_cache_fraction_of_a_file_just_written(tmp_path):
     p = tmp_path / "w.bin"
     p.write_bytes(os.urandom(1 << 20))
-    frac = doctor.page_cache_fraction([p])
+    frac = doctor_files.page_cache_fraction([p])
     # just written, so its pages are in the cache; None only where mincore is unavailable
     assert frac is None or 0 < frac <= 1
     from weights.readahead import resident_bytes
@@ -208,14 +209,14 @@ def test_page_cache_fraction_of_a_file_just_written(tmp_path):
     assert part is None or 0 <= part <= 10_000
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
-    assert doctor.page_cache_fraction([empty]) is None  # nothing to measure
+    assert doctor_files.page_cache_fraction([empty]) is None  # nothing to measure
 
 
 def test_page_cache_fraction_unknown_off_linux(tmp_path, monkeypatch):
     p = tmp_path / "w.bin"
     p.write_bytes(b"x" * 8192)
     monkeypatch.setattr(doctor.sys, "platform", "darwin")
-    assert doctor.page_cache_fraction([p]) is None
+    assert doctor_files.page_cache_fraction([p]) is None
 
 
 @pytest.mark.parametrize("limit, threads", [(10 << 20, 3), ((64 << 10) + 5, 2), (1, 1)])
@@ -223,13 +224,13 @@ def test_read_files_reads_exactly_up_to_the_limit(tmp_path, limit, threads):
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(os.urandom(3 * (64 << 10) + 123))  # not a multiple of the chunk
     b.write_bytes(os.urandom(100_000))
-    n, secs = doctor.read_files([a, b], limit, threads=threads, chunk=64 << 10)
+    n, secs = doctor_files.read_files([a, b], limit, threads=threads, chunk=64 << 10)
     assert n == min(limit, a.stat().st_size + b.stat().st_size)
     assert secs >= 0
 
 
 def test_model_files(tmp_path, model_dir):
-    assert doctor.model_files(model_dir) == [model_dir / doctor.WEIGHTS_FILE]
+    assert doctor.model_files(model_dir) == [model_dir / check.WEIGHTS_FILE]
     loose = tmp_path / "hf"
     (loose / "sub").mkdir(parents=True)
     for name in ("b.safetensors", "a.json", "sub/c.bin"):
@@ -243,11 +244,11 @@ def test_model_files(tmp_path, model_dir):
 def test_parse_nvidia_smi():
     out = ("0, GPU-1111, 580.159.03, NVIDIA H200, 143771\n"
            "1, GPU-2222, 580.159.03, NVIDIA A100-SXM4-40GB, 40960\n")
-    driver, gpus = doctor.parse_nvidia_smi(out)
+    driver, gpus = gpu_facts.parse_nvidia_smi(out)
     assert driver == "580.159.03"
     assert gpus == [GpuInfo(0, "NVIDIA H200", "GPU-1111", 143771),
                     GpuInfo(1, "NVIDIA A100-SXM4-40GB", "GPU-2222", 40960)]
-    assert doctor.parse_nvidia_smi("") == (None, [])
+    assert gpu_facts.parse_nvidia_smi("") == (None, [])
 
 
 @pytest.mark.parametrize("text, version", [
@@ -257,7 +258,7 @@ def test_parse_nvidia_smi():
     ("no driver here", None),
 ])
 def test_parse_proc_driver_version(text, version):
-    assert doctor.parse_proc_driver_version(text) == version
+    assert gpu_facts.parse_proc_driver_version(text) == version
 
 
 @pytest.mark.parametrize("driver, cuda, status", [
@@ -392,7 +393,7 @@ def test_doctor_reads_every_rank_of_a_split_pack(capsys, tiny_hf, tmp_path):
     from weights import PackOptions, pack
     split = pack(tiny_hf, tmp_path / "split", PackOptions(tp=2, progress=False))
     rc, report = run_json(capsys, "--model", str(split), "--read-gib", "0.001")
-    assert by_name(report)["page cache"]["data"]["files"] == [str(split / f"rank-{k}" / doctor.WEIGHTS_FILE)
+    assert by_name(report)["page cache"]["data"]["files"] == [str(split / f"rank-{k}" / check.WEIGHTS_FILE)
                                                              for k in (0, 1)]
 
 
@@ -419,11 +420,11 @@ MOUNTS = """overlay / overlay rw,relatime,lowerdir=/a,upperdir=/b 0 0
 
 
 def test_mount_of_picks_the_longest_mount_point():
-    assert doctor.mount_of(Path("/var/cache/coldstart/triton"), MOUNTS) == ("/var/cache/coldstart", "ext4")
-    assert doctor.mount_of(Path("/root/.triton/cache"), MOUNTS) == ("/", "overlay")
-    assert doctor.mount_of(Path("/var/cache/coldstartx"), MOUNTS) == ("/", "overlay")  # not a prefix match
-    assert doctor.mount_of(Path("/mnt/my disk/t"), MOUNTS) == ("/mnt/my disk", "ext4")
-    assert doctor.mount_of(Path("/x"), "") is None
+    assert doctor_files.mount_of(Path("/var/cache/coldstart/triton"), MOUNTS) == ("/var/cache/coldstart", "ext4")
+    assert doctor_files.mount_of(Path("/root/.triton/cache"), MOUNTS) == ("/", "overlay")
+    assert doctor_files.mount_of(Path("/var/cache/coldstartx"), MOUNTS) == ("/", "overlay")  # not a prefix match
+    assert doctor_files.mount_of(Path("/mnt/my disk/t"), MOUNTS) == ("/mnt/my disk", "ext4")
+    assert doctor_files.mount_of(Path("/x"), "") is None
 
 
 @pytest.mark.parametrize("kernels, writable, fstype, status, needle", [
@@ -433,7 +434,7 @@ def test_mount_of_picks_the_longest_mount_point():
     (12, True, "overlay", "warn", "container's own filesystem"),
 ])
 def test_kernel_cache_verdict(kernels, writable, fstype, status, needle):
-    st, detail, action = doctor.kernel_cache_verdict(Path("/c"), kernels, 5 << 20, writable, fstype)
+    st, detail, action = doctor_files.kernel_cache_verdict(Path("/c"), kernels, 5 << 20, writable, fstype)
     assert st == status and needle in detail
     assert (action != "") == (status == "warn")
 

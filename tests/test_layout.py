@@ -1,9 +1,11 @@
-"""The serving side's layers: imports run one way, and nothing goes round in a circle."""
+"""The packages' layers: imports run one way, and nothing goes round in a circle."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "deployments"
@@ -14,18 +16,24 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict[str, set[str]]:
-    """Every deployments module -> the deployments modules it imports, anywhere in its code
-    (a lazy import inside a function counts: it is a dependency all the same)."""
-    modules = {_module(p): p for p in PKG.rglob("*.py")}
+def _imports(pkg: Path = PKG) -> dict[str, set[str]]:
+    """Every module of ``pkg`` -> the modules of ``pkg`` it imports, anywhere in its code
+    (a lazy import inside a function counts: it is a dependency all the same; so does a
+    relative one)."""
+    modules = {_module(p): p for p in pkg.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.rsplit(".", node.level - 1)[0]
+                    base = f"{up}.{base}" if base else up
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 continue
             deps |= {t for t in targets if t in modules and t != name}
@@ -33,8 +41,9 @@ def _imports() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_circles():
-    graph = _imports()
+@pytest.mark.parametrize("pkg", ["deployments", "weights"])
+def test_no_import_circles(pkg):
+    graph = _imports(ROOT / pkg)
     # a package's __init__ that re-exports its modules is not an edge back into them
     graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
     seen: dict[str, int] = {}  # 1: on the current path, 2: done

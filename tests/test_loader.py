@@ -354,16 +354,16 @@ def _wait_resident(path: Path, offset: int, length: int, timeout: float = 30) ->
 
 def test_prefetch_reads_the_whole_file_into_the_page_cache(tmp_path):
     """One WILLNEED over a whole file reads only read_ahead_kb of it on Linux; the
-    prefetch must bring in every byte, while the caller goes on."""
-    import time
+    prefetch must bring in every byte, while the caller goes on: the reads are a helper
+    process's, started and not waited for."""
+    import os
 
     from weights.readahead import prefetch
 
     size = 48 << 20
     f = _evicted_file(tmp_path / "model.cst", size)
-    t0 = time.perf_counter()
     proc = prefetch(f)
-    assert proc is not None and time.perf_counter() - t0 < 1.0  # returns at once
+    assert proc is not None and proc.pid != os.getpid() and str(f.resolve()) in proc.args
     assert prefetch(tmp_path) is proc  # the directory's model.cst: the same helper
     assert proc.wait(timeout=60) == 0
     assert _wait_resident(f, 0, size)

@@ -197,9 +197,11 @@ def test_the_default_reserve_grows_with_the_prefill_chunk_and_a_set_one_stands()
     # the estimate: 2048 rows through one layer (123 KB each in fp16), 16384 gathered positions'
     # keys and values (268 MB) and 128 rows of logits (25 MB), twice, beside 1 GiB
     assert 2.0 * GiB < at[2048] < 2.2 * GiB
-    # a model with no estimate: 1 GiB; a reserve set in the config is what the runner keeps
-    assert default_reserve(object(), EngineConfig().resolved(4096), 0) == GiB
+    # a model with no estimate (one served through transformers): 1 GiB; a reserve set in the
+    # config is what the runner keeps
+    from deployments.model.hf_fallback import HFModel
     hf, cfg = hf_model("llama")
+    assert default_reserve(HFModel(hf, cfg), EngineConfig().resolved(4096), 0) == GiB
     assert _engine(cfg, hf, reserve_bytes=3 * GiB).runner.reserve_bytes == 3 * GiB
     assert GiB < _engine(cfg, hf).runner.reserve_bytes < 1.01 * GiB  # a tiny model's activations: little
 

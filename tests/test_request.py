@@ -82,7 +82,7 @@ class _nothing:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *_exc: object) -> None:
         return None
 
 

@@ -217,7 +217,7 @@ def test_a_prompt_the_model_overflows_on_gets_a_500_that_says_so(client, server)
     import torch
 
     ids = server.tokenizer.encode("zz")
-    emb = server.model.model.embed_tokens.weight
+    emb = server.started.model.model.embed_tokens.weight
     saved = emb[ids].clone()
     ok = client.post("/generate", json={"prompt": "zz", "max_new_tokens": 4, "temperature": 0})
     assert ok.status_code == 200

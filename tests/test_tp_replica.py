@@ -78,7 +78,7 @@ def test_a_tensor_parallel_replica_generates_what_one_device_and_transformers_do
         one.shutdown()
     split = LLMServer(str(root / f"tp{n}"), device="cpu", engine=ENGINE, tp=n)
     try:
-        assert len(split.ranks.actors) == n - 1
+        assert len(split.started.ranks.actors) == n - 1
         assert _generate(split) == want == hf_tokens
         assert _generate(split) == want  # and again, over caches the first batch used
         stats = split.stats()
@@ -87,7 +87,7 @@ def test_a_tensor_parallel_replica_generates_what_one_device_and_transformers_do
         assert stats["engine"]["batched_prefills"] >= 2
     finally:
         split.shutdown()
-    assert not split.ranks.actors
+    assert not split.started.ranks.actors
 
 
 def test_a_tensor_parallel_replica_over_a_paged_cache_hands_every_rank_the_same_blocks(ray_instance, tmp_path):
@@ -130,7 +130,7 @@ def test_a_rank_that_dies_fails_the_health_check_naming_it(ray_instance, split_d
     try:
         s.reconfigure({"warmup": {"requests": 1}})
         s.check_health()
-        ray.kill(s.ranks.actors[0])
+        ray.kill(s.started.ranks.actors[0])
         deadline = time.time() + 30
         while True:
             try:

@@ -329,8 +329,8 @@ def _key_of(origin: Origin, rank: int | None, packed: PackedFile) -> tuple[str, 
     return hashlib.sha256(manifest).hexdigest()[:16], manifest
 
 
-def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers | None = None,
-            wait_s: float | None = None) -> "Path | Fetch":
+def resolve(uri: str, cache: NodeCache, *, rank: int | None = None,
+            peers: Peers | None = None) -> "Path | Fetch":
     """The local entry holding ``uri`` as it is at its source now, or the ``Fetch`` that brings it
     (see the module's docstring). ``rank``: one rank's file of a split pack (its side files and
     ``tp.json`` come with it). Where the source cannot be reached but the node holds an earlier

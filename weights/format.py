@@ -90,7 +90,10 @@ import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 MAGIC = b"CLDSTRT\x00"
 FORMAT_VERSION = 1
@@ -281,7 +284,7 @@ def read_json(path: Path, then: str) -> dict:
     return doc
 
 
-def read_tokenizer(path: Path, then: str) -> Any:
+def read_tokenizer(path: Path, then: str) -> Tokenizer:
     """tokenizer.json as a ``tokenizers.Tokenizer``; ValueError naming the file, the library's
     reason and ``then`` if the library cannot read it."""
     from tokenizers import Tokenizer
@@ -316,7 +319,6 @@ def read_packed(path: str | os.PathLike) -> PackedFile:
     refuse_leftover(p.parent)
     if not p.exists():
         if (p.parent / TP_MANIFEST).is_file() or (p.parent.parent / TP_MANIFEST).is_file():
-            from .tp import split_pack_error  # (weights.tp imports this module)
             raise split_pack_error(p.parent)
         raise FileNotFoundError(f"{p}: no packed weight file ({p.name} missing); make one with "
                                 f"`coldstart pack HF_DIR {p.parent}`")
@@ -337,7 +339,7 @@ def parse_packed(p: Path, size: int, read: "Callable[[int, int], bytes]", where:
     if len(pre) < _PREAMBLE.size or pre[:8] != MAGIC:
         raise _fail(shown, f"not a coldstart packed file (magic {pre[:8]!r}, expected {MAGIC!r}); "
                            "re-create it with `coldstart pack`")
-    magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
+    _magic, version, _flags, data_off, data_bytes, index_off, index_bytes, index_sha = \
         _PREAMBLE.unpack_from(pre)
     if len(pre) == PREAMBLE_BYTES and version <= FORMAT_VERSION:
         want_crc = struct.unpack_from("<I", pre, _CRC_AT)[0]
@@ -362,9 +364,59 @@ def parse_packed(p: Path, size: int, read: "Callable[[int, int], bytes]", where:
         raise _fail(shown, "index is corrupt (sha256 mismatch); re-pack or re-copy the file")
     index = _parse_index(shown, raw, data_bytes)
     if "tp" in index.metadata:
-        from .tp import check_rank
         check_rank(p, index.metadata["tp"])
     return PackedFile(p, size, data_off, data_bytes, index, index_sha.hex())
+
+
+# ----------------------------------------------------------------------------- a split pack's manifest and ranks
+# (read here, where read_packed needs them; the slicing rules and the manifest's writer: weights.tp)
+
+MANIFEST_FORMAT = "coldstart-tp"
+
+
+def read_manifest(dest: str | os.PathLike) -> dict:
+    """``DEST/tp.json``, checked: PackedFormatError naming the file when it is not a split pack's
+    manifest."""
+    path = Path(dest) / TP_MANIFEST
+    fix = "re-pack the model with `coldstart pack SRC DEST --tp N`"
+    try:
+        doc = read_json(path, fix)
+    except ValueError as e:
+        raise PackedFormatError(str(e)) from None
+    size = doc.get("size")
+    if doc.get("format") != MANIFEST_FORMAT or not isinstance(size, int) or isinstance(size, bool) or size < 2:
+        raise PackedFormatError(f"{path}: not a split pack's manifest (format {doc.get('format')!r}, size "
+                                f"{size!r}); {fix}")
+    return doc
+
+
+def split_pack_error(d: Path) -> PackedFormatError | FileNotFoundError:
+    """The error for a split pack given where one packed model was expected (or one of its rank
+    directories without its file): what to do instead."""
+    if (d.parent / TP_MANIFEST).is_file():
+        return FileNotFoundError(f"{d / WEIGHTS_FILE}: missing from the split pack {d.parent}; copy the pack again "
+                                 f"as it was packed, or re-pack it (`coldstart pack SRC {d.parent} --tp N`)")
+    try:
+        size = read_manifest(d)["size"]
+    except PackedFormatError as e:
+        return e
+    return TensorParallelPackError(
+        f"{d}: a tensor-parallel pack split over {size} ranks ({TP_MANIFEST}, {rank_dir(0)}/ to "
+        f"{rank_dir(size - 1)}/), not one model: load rank K's part with weights.load({str(d)!r}, rank=K) "
+        f"(or {d / rank_dir(0)}, ...) and build it with build_model(config, tensors, tp=process_group) in "
+        f"each of {size} processes; `coldstart verify {d}` checks every rank; to serve it on one device, "
+        "pack the source again without --tp")
+
+
+def check_rank(p: Path, tp: object) -> None:
+    """A rank's file ``p`` of a split pack (its index's ``metadata["tp"]``: ``tp``) records a rank,
+    and lies in that rank's directory; PackedFormatError naming the file otherwise."""
+    size, rank = (tp.get("size"), tp.get("rank")) if isinstance(tp, dict) else (None, None)
+    if not (type(size) is int and type(rank) is int and 0 <= rank < size):
+        raise PackedFormatError(f"{p}: index metadata tp={tp!r} is not a rank of a split pack; re-pack the model")
+    if p.parent.name != rank_dir(rank):
+        raise PackedFormatError(f"{p}: holds the weights of rank {rank} of {size} but lies in {p.parent.name}/, "
+                                f"not {rank_dir(rank)}/; copy the split pack again as it was packed")
 
 
 # a pack's temporary directory (weights.publish): ".NAME.partial-PID.HOST-XXXXXXXX"; older packs'

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class LoadOptions(BaseModel):
     """How a packed model is read onto the device. Unknown fields and wrong types are refused
-    with the field's name. The defaults are the fastest measured on an H200 host."""
+    with the field's name. The defaults are the load sweep's fastest (docs/measurements.md)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
 

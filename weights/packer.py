@@ -32,6 +32,7 @@ from typing import Iterable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from . import checksum, publish
 from . import tp as tensor_parallel
@@ -305,16 +306,7 @@ def _fsync_dir(d: Path) -> None:
     publish.fsync(d)
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled or not sys.stderr.isatty():
-        return _NoBar()
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, desc="pack")
+def _progress(total: int, enabled: bool) -> tqdm:
+    """The pack's byte count as a bar on a terminal; a bar that draws nothing otherwise."""
+    return tqdm(total=total, unit="B", unit_scale=True, desc="pack",
+                disable=not enabled or not sys.stderr.isatty())

@@ -14,10 +14,9 @@ when its own reads begin (``stop_trickle``).
 
 One ``posix_fadvise(WILLNEED)`` over the whole file is not enough: Linux reads
 at most max(read_ahead_kb, max_sectors_kb) per call (128 KiB to a few MiB), so
-the hint is issued per 128 KiB piece, front to back. It runs in a small helper
-process rather than a thread: the calls are cheap but there are ~100,000 of
-them for a 13 GB file, and a thread would have to win the GIL back from the
-import after every one. The kernel reads asynchronously; no data is copied.
+the hint is issued per 128 KiB piece, front to back. Both run in a small helper
+process rather than a thread (``weights.pagein``: their programs and why). The
+kernel reads asynchronously; no data is copied.
 
 ``resident_bytes`` / ``resident_fraction`` say how much of a file is already
 in the page cache (mincore(2)), so the loader can pick disk or memory settings
@@ -43,36 +42,7 @@ log = logging.getLogger(__name__)
 
 PIECE = 128 << 10  # read_ahead_kb's usual default: every call of this size is read whole
 
-_HINTS = r"""
-import os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-piece, limit = int(sys.argv[2]), int(sys.argv[3])
-size = min(os.fstat(fd).st_size, limit)
-os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-for off in range(0, size, piece):
-    os.posix_fadvise(fd, off, piece, os.POSIX_FADV_WILLNEED)
-"""
-
-# One read of TRICKLE_PIECE at a time, with the kernel's own read-ahead off for this
-# descriptor (FADV_RANDOM): the disk's queue never holds more than one such request, so the
-# page faults of an import beside it wait for at most one piece. Plain reads, even one at a
-# time, let the kernel's read-ahead queue megabytes ahead of them, and an import beside them
-# ended only with the whole file read.
-_TRICKLE = r"""
-import os, sys
-parent = os.getppid()
-fd = os.open(sys.argv[1], os.O_RDONLY)
-piece, limit = int(sys.argv[2]), int(sys.argv[3])
-size = min(os.fstat(fd).st_size, limit)
-os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-buf = bytearray(piece)
-off = 0
-while off < size and os.getppid() == parent:  # the replica gone: nobody to read for
-    n = os.preadv(fd, [buf], off)
-    if n <= 0:
-        break
-    off += n
-"""
+# the trickle's read: small enough that a page fault behind it waits little
 TRICKLE_PIECE = 1 << 20
 
 _started: dict[str, subprocess.Popen] = {}
@@ -89,9 +59,14 @@ def _weight_file(path: str | os.PathLike) -> Path | None:
     return p if p.is_file() and hasattr(os, "posix_fadvise") else None
 
 
-def _helper(registry: dict[str, subprocess.Popen], code: str, path: str | os.PathLike, piece: int,
+# the directory that holds the ``weights`` package: the helper's ``python -m`` finds it from there
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _helper(registry: dict[str, subprocess.Popen], program: str, path: str | os.PathLike, piece: int,
             what: str) -> subprocess.Popen | None:
-    """Start ``code`` on ``path`` in a helper process once per file and registry."""
+    """Start ``weights.pagein``'s ``program`` on ``path`` in a helper process once per file and
+    registry."""
     p = _weight_file(path)
     if p is None:
         return None
@@ -102,10 +77,10 @@ def _helper(registry: dict[str, subprocess.Popen], code: str, path: str | os.Pat
     with _lock:
         proc = registry.get(key)
         if proc is None:
-            try:  # -I -S: no site packages, no environment: starts in ~10 ms
-                proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, key, str(piece), str(limit)],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, close_fds=True)
+            try:  # -E -s -S: no environment, no site packages: the interpreter's start alone
+                proc = subprocess.Popen([sys.executable, "-E", "-s", "-S", "-m", "weights.pagein", program, key,
+                                         str(piece), str(limit)], cwd=_PACKAGE_ROOT, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
             except OSError as e:
                 log.warning("%s of %s skipped: %s", what, p, e)
                 return None
@@ -122,7 +97,7 @@ def prefetch(path: str | os.PathLike) -> subprocess.Popen | None:
     same file in this process returns the first one's helper. At most half of
     the memory available now is read ahead (the front of the file).
     """
-    return _helper(_started, _HINTS, path, PIECE, "prefetch")
+    return _helper(_started, "hint", path, PIECE, "prefetch")
 
 
 def trickle(path: str | os.PathLike, piece: int = TRICKLE_PIECE) -> subprocess.Popen | None:
@@ -135,7 +110,7 @@ def trickle(path: str | os.PathLike, piece: int = TRICKLE_PIECE) -> subprocess.P
     them wait for most of the file. At most half the available memory is read. A second
     call for the same file returns the first one's helper; ``stop_trickle`` ends it.
     """
-    return _helper(_trickles, _TRICKLE, path, piece, "trickle")
+    return _helper(_trickles, "trickle", path, piece, "trickle")
 
 
 def stop_trickle(path: str | os.PathLike) -> bool:

@@ -35,12 +35,11 @@ def one_segment(device: torch.device) -> Iterator[None]:
     expandable segments, then put the settings back.
 
     Expandable segments keep the many activations of varying sizes from fragmenting memory,
-    but they map a tensor's memory piece by piece: on an H200 host, a 7B's 32 GiB KV cache took
-    0.10-0.12 s to allocate and zero with them and 0.017 s as one plain segment, its 13.5 GB
-    weights' buffer 0.03 s and 0.0007 s. The weights' buffer and the KV cache are made once and
-    never grow, so they gain nothing from expandable segments. The deployment's whole settings string is given both times, with only
-    expandable_segments changed inside (torch resets the options a settings string leaves
-    out). Does nothing on the CPU, where they are off, or where this torch cannot change the
+    but they map a tensor's memory piece by piece, which makes a large tensor several times
+    slower to allocate and zero (docs/measurements.md). The weights' buffer and the KV cache are
+    made once and never grow, so they gain nothing from expandable segments. The deployment's
+    whole settings string is given both times, with only expandable_segments changed inside
+    (torch resets the options a settings string leaves out). Does nothing on the CPU, where they are off, or where this torch cannot change the
     settings at run time."""
     conf = _alloc_conf(os.environ)
     setter = None

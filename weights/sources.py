@@ -76,44 +76,38 @@ def find_weight_files(src: Path) -> list[Path]:
     return sorted(p for p in src.glob("*.bin") if p.name != "training_args.bin")
 
 
+# what to do about a damaged shard
+_REFETCH = "download the shard again from the model's source"
+
+
+def _is_count(v: object) -> bool:
+    return type(v) is int and v >= 0
+
+
 class SafetensorsFile:
-    """One safetensors shard, its header checked against the file's size."""
+    """One safetensors shard, checked as the safetensors library checks one before a byte of
+    it is used: the header's length lies within the file, the header is a JSON object, every
+    tensor's byte length is its shape times its dtype's size, and the tensors' data_offsets,
+    sorted, cover the data region exactly (from 0, no gap, no overlap, up to the file's end).
+
+    The last check is what catches a header-length field lowered by a flipped bit: the JSON
+    still parses (its trailing padding is whitespace) while every tensor would be read from
+    bytes shifted by as much."""
 
     def __init__(self, path: Path):
         self.path = path
         size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SourceError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > _MAX_HEADER or 8 + hlen > size:
-                raise SourceError(f"{path}: truncated or corrupt safetensors file "
-                                  f"(header of {hlen} bytes, file of {size} bytes)")
-            try:
-                header = json.loads(f.read(hlen))
-            except ValueError as e:
-                raise SourceError(f"{path}: safetensors header is not valid JSON ({e})") from e
-        header.pop("__metadata__", None)
+        hlen, header = _read_header(path, size)
         self.base = 8 + hlen
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
-            code = e.get("dtype")
-            shape = tuple(int(d) for d in e.get("shape", ()))
-            lo, hi = (int(v) for v in e.get("data_offsets", (0, 0)))
-            if code not in _ST_DTYPES:
-                raise SourceError(
-                    f"{path}: tensor {name!r} has dtype {code}, which a packed file cannot hold; "
-                    f"supported: {', '.join(_ST_DTYPES)}. Convert it first or drop it.")
-            n = int(np.prod(shape, dtype=np.int64)) * _ELEM[code]
-            if hi - lo != n:
-                raise SourceError(f"{path}: tensor {name!r} has {hi - lo} bytes for shape "
-                                  f"{list(shape)} of {code} ({n} expected); the file is corrupt")
+            hi = (entry := _entry(path, name, e))[3]
+            self.entries[name] = entry
             if self.base + hi > size:
                 raise SourceError(
                     f"{path}: truncated: tensor {name!r} ends at byte {self.base + hi}, "
                     f"the file has {size}; re-download the shard")
-            self.entries[name] = (code, shape, lo, hi)
+        _check_coverage(path, self.entries, hlen, size)
         self._mm: mmap.mmap | None = None
 
     def names(self) -> list[str]:
@@ -143,6 +137,78 @@ class SafetensorsFile:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+
+
+def _read_header(path: Path, size: int) -> tuple[int, dict]:
+    """The header's length field and its JSON object, without ``__metadata__``."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SourceError(f"{path}: truncated safetensors file ({size} bytes, no header); {_REFETCH}")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > _MAX_HEADER:
+            raise SourceError(f"{path}: corrupt safetensors file: its header-length field says {hlen} bytes, "
+                              f"more than the {_MAX_HEADER} a header may have; {_REFETCH}")
+        if 8 + hlen > size:
+            raise SourceError(f"{path}: truncated or corrupt safetensors file: its header-length field says "
+                              f"{hlen} bytes, the file has {size - 8} after the field; {_REFETCH}")
+        raw = f.read(hlen)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # (UnicodeDecodeError too)
+        raise SourceError(f"{path}: safetensors header is not valid JSON ({e}); {_REFETCH}") from e
+    if not isinstance(header, dict):
+        raise SourceError(f"{path}: safetensors header is a JSON {type(header).__name__}, not an object of "
+                          f"tensors; {_REFETCH}")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise SourceError(f"{path}: safetensors header's __metadata__ is not a map of strings to strings; "
+                          f"{_REFETCH}")
+    return hlen, header
+
+
+def _entry(path: Path, name: str, e: object) -> tuple[str, tuple[int, ...], int, int]:
+    """A header entry as (dtype code, shape, start, end), each field checked."""
+    if not isinstance(e, dict):
+        raise SourceError(f"{path}: tensor {name!r}: its header entry is not an object; {_REFETCH}")
+    code, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise SourceError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of non-negative "
+                          f"integers; {_REFETCH}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(v) for v in offsets)
+            and offsets[0] <= offsets[1]):
+        raise SourceError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not [start, end] with "
+                          f"0 <= start <= end; {_REFETCH}")
+    if code not in _ST_DTYPES:
+        raise SourceError(
+            f"{path}: tensor {name!r} has dtype {code}, which a packed file cannot hold; "
+            f"supported: {', '.join(_ST_DTYPES)}. Convert it first or drop it.")
+    lo, hi = offsets
+    n = int(np.prod(shape, dtype=np.int64)) * _ELEM[code]
+    if hi - lo != n:
+        raise SourceError(f"{path}: tensor {name!r} has {hi - lo} bytes for shape "
+                          f"{shape} of {code} ({n} expected); the file is corrupt: {_REFETCH}")
+    return code, tuple(shape), lo, hi
+
+
+def _check_coverage(path: Path, entries: dict[str, tuple[str, tuple[int, ...], int, int]], hlen: int,
+                    size: int) -> None:
+    """The tensors, sorted by offset, cover the data region exactly: from its byte 0, each
+    starting where the one before ends, the last ending at the file's end."""
+    end, before = 0, None
+    for name, (_, _, lo, hi) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if lo != end:
+            where = (f"the data region's bytes {end}..{lo} belong to no tensor" if lo > end else
+                     f"it overlaps tensor {before!r} by {end - lo} bytes")
+            raise SourceError(f"{path}: tensor {name!r} starts at data byte {lo}, but "
+                              f"{f'tensor {before!r} ends at {end}' if before else 'the data region starts at 0'}"
+                              f" ({where}); the header's data_offsets must cover the data exactly; {_REFETCH}")
+        end, before = hi, name
+    if 8 + hlen + end != size:
+        raise SourceError(
+            f"{path}: the file is not fully covered by its tensors: with the header-length field's {hlen} "
+            f"bytes the tensors' data would end at byte {8 + hlen + end}, the file has {size}; a damaged "
+            f"header-length field or data_offsets would have every tensor read from the wrong bytes; {_REFETCH}")
 
 
 def _bin_state(path: Path) -> dict[str, torch.Tensor]:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .format import TP_MANIFEST, WEIGHTS_FILE, PackedFormatError, TensorParallelPackError, rank_dir, read_json
+from .format import MANIFEST_FORMAT, TP_MANIFEST, rank_dir, read_manifest
 
 # the kinds of rule (see the module's docstring)
 Q_ROWS, KV_ROWS, Q_COLUMNS, MLP_ROWS, MLP_COLUMNS, FIRST, VOCAB, REPLICATED = (
@@ -226,9 +226,7 @@ def shard(name: str, t: Any, lay: Layout, rank: int) -> Any:
 
 
 # ----------------------------------------------------------------------------- a split pack on disk
-# (the layout is described in weights.format's docstring)
-
-MANIFEST_FORMAT = "coldstart-tp"
+# (the layout is described in weights.format's docstring, which reads it: read_manifest)
 
 
 def manifest(lay: Layout, pack_id: str) -> dict:
@@ -237,22 +235,6 @@ def manifest(lay: Layout, pack_id: str) -> dict:
     from another pack is refused)."""
     return {"format": MANIFEST_FORMAT, "version": 1, "size": lay.size,
             "ranks": [rank_dir(k) for k in range(lay.size)], "layout": lay.to_json(), "pack_id": pack_id}
-
-
-def read_manifest(dest: str | os.PathLike) -> dict:
-    """``DEST/tp.json``, checked: PackedFormatError naming the file when it is not a split pack's
-    manifest."""
-    path = Path(dest) / TP_MANIFEST
-    fix = "re-pack the model with `coldstart pack SRC DEST --tp N`"
-    try:
-        doc = read_json(path, fix)
-    except ValueError as e:
-        raise PackedFormatError(str(e)) from None
-    size = doc.get("size")
-    if doc.get("format") != MANIFEST_FORMAT or not isinstance(size, int) or isinstance(size, bool) or size < 2:
-        raise PackedFormatError(f"{path}: not a split pack's manifest (format {doc.get('format')!r}, size "
-                                f"{size!r}); {fix}")
-    return doc
 
 
 def is_split_pack(dest: str | os.PathLike) -> bool:
@@ -271,32 +253,3 @@ def rank_path(dest: str | os.PathLike, rank: int) -> Path:
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
         raise ValueError(f"rank={rank!r}: {d} is split over {size} ranks, 0 to {size - 1}")
     return d / rank_dir(rank)
-
-
-def split_pack_error(d: Path) -> PackedFormatError | FileNotFoundError:
-    """The error for a split pack given where one packed model was expected (or one of its rank
-    directories without its file): what to do instead."""
-    if (d.parent / TP_MANIFEST).is_file():
-        return FileNotFoundError(f"{d / WEIGHTS_FILE}: missing from the split pack {d.parent}; copy the pack again "
-                                 f"as it was packed, or re-pack it (`coldstart pack SRC {d.parent} --tp N`)")
-    try:
-        size = read_manifest(d)["size"]
-    except PackedFormatError as e:
-        return e
-    return TensorParallelPackError(
-        f"{d}: a tensor-parallel pack split over {size} ranks ({TP_MANIFEST}, {rank_dir(0)}/ to "
-        f"{rank_dir(size - 1)}/), not one model: load rank K's part with weights.load({str(d)!r}, rank=K) "
-        f"(or {d / rank_dir(0)}, ...) and build it with build_model(config, tensors, tp=process_group) in "
-        f"each of {size} processes; `coldstart verify {d}` checks every rank; to serve it on one device, "
-        "pack the source again without --tp")
-
-
-def check_rank(p: Path, tp: Any) -> None:
-    """A rank's file ``p`` of a split pack (its index's ``metadata["tp"]``: ``tp``) records a rank,
-    and lies in that rank's directory; PackedFormatError naming the file otherwise."""
-    size, rank = (tp.get("size"), tp.get("rank")) if isinstance(tp, dict) else (None, None)
-    if not (type(size) is int and type(rank) is int and 0 <= rank < size):
-        raise PackedFormatError(f"{p}: index metadata tp={tp!r} is not a rank of a split pack; re-pack the model")
-    if p.parent.name != rank_dir(rank):
-        raise PackedFormatError(f"{p}: holds the weights of rank {rank} of {size} but lies in {p.parent.name}/, "
-                                f"not {rank_dir(rank)}/; copy the split pack again as it was packed")

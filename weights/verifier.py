@@ -12,8 +12,8 @@ import torch
 
 from . import checksum
 from .format import (PackedFile, PackedFormatError, rank_dir, read_packed, refuse_leftover, side_file_problems,
-                     unprotected_note)
-from .tp import is_split_pack, read_manifest
+                     read_manifest, unprotected_note)
+from .tp import is_split_pack
 
 _GROUP = 64  # chunks summed per reduction: bounded temporaries, a progress step
 
@@ -140,6 +140,3 @@ def _verify_file(path: str | os.PathLike, progress=None) -> VerifyReport:
             progress(min((first + k) * cb, packed.data_bytes))
     return report
 
-
-def is_packed_dir(path: str | os.PathLike) -> bool:
-    return (Path(path) / "model.cst").is_file()

@@ -26,16 +26,21 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deployments.engine.blocks import BlockPool
 from deployments.engine.config import EngineConfig, prefill_lengths
+from deployments.engine.decoder import Decoder
 from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
 from deployments.engine.runner import ModelRunner, bucket
 from deployments.engine.sampling import tokens
 from deployments.engine.scheduler import NonFiniteLogits, Scheduler, Seq, is_device_error
+
+if TYPE_CHECKING:  # annotations only: torch.distributed and the tokenizer's module stay unimported here
+    from deployments.engine.mirror import Channel, Mirrored
+    from deployments.engine.tokenizer import Tokenizer
 
 __all__ = ["Chunk", "Engine", "EngineConfig", "NonFiniteLogits", "RequestHandle", "SamplingParams",
            "prefill_lengths"]
@@ -53,21 +58,22 @@ class Engine:
         ids, text, reason = engine.generate(tokenizer.encode("The answer is "), SamplingParams(temperature=0))
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, *, channel: Any = None):
+    def __init__(self, model: Decoder, tokenizer: Tokenizer | None, config: EngineConfig, *,
+                 channel: Channel | None = None):
         # channel: a tensor-parallel model's rank 0 sends its runner's calls to the other ranks
         # over it (``deployments.engine.mirror``); they run them in ``follow``
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config.resolved(model.max_position_embeddings)
         self.device = model.device
         self.vocab_size = model.vocab_size  # the logits' width (a tensor-parallel rank's config holds its slice)
-        self._eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-        self.runner: Any = ModelRunner(model, cfg)
+        self._eos = set(tokenizer.eos_token_ids if tokenizer is not None else [])
+        self.runner: ModelRunner | Mirrored = ModelRunner(model, cfg)
         if channel is not None:
             from deployments.engine.mirror import Mirrored
             self.runner = Mirrored(self.runner, channel)
         cache = self.runner.cache
         self.blocks = (BlockPool(cache.num_blocks, cache.block_size, cfg.prefix_cache)
-                       if getattr(cache, "paged", False) else None)
+                       if cache.paged else None)
         self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot, self.blocks, self.runner.assign,
                                    self._release)
         self.capture_lock = self.runner.capture_lock
@@ -186,7 +192,7 @@ class Engine:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         self.shutdown()
 
     # ---------------------------------------------------------------- the loop
@@ -339,8 +345,3 @@ class Engine:
             seq.ahead -= 1
         self.scheduler.take(seqs, tokens(toks), dtype)
 
-
-def iter_text(handle: RequestHandle) -> Iterator[str]:
-    """Blocking iteration over a request's text deltas (tests, CLI)."""
-    for chunk in handle:
-        yield chunk.text

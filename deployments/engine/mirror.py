@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from deployments.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ IDLE = datetime.timedelta(days=365)
 class Channel:
     """Rank 0's messages to the other ranks of ``group`` (a gloo group: ``Channel.new``)."""
 
-    def __init__(self, group: Any):
+    def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -69,7 +72,7 @@ class Mirrored:
     """``runner`` (a ``ModelRunner``) whose calls in ``CALLS`` are first sent over ``channel``;
     everything else is the runner's own."""
 
-    def __init__(self, runner: Any, channel: Channel):
+    def __init__(self, runner: ModelRunner, channel: Channel):
         self.runner, self.channel = runner, channel
         for name in CALLS:
             setattr(self, name, self._mirrored(name))
@@ -90,7 +93,7 @@ class Mirrored:
         self.channel.send(("stop", ()))
 
 
-def follow(runner: Any, channel: Channel, handlers: dict[str, Callable[..., Any]] | None = None) -> None:
+def follow(runner: ModelRunner, channel: Channel, handlers: dict[str, Callable[..., Any]] | None = None) -> None:
     """Another rank's loop: run rank 0's calls on ``runner`` until it sends stop. ``handlers``:
     more messages this rank answers (name -> function of the message's arguments).
 

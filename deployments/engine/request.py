@@ -14,12 +14,13 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-FINISH_REASONS = (None, "stop", "length", "cancelled", "error")
-# Stop strings per request: they are looked for after each token in the engine's loop, which
-# every request's steps share; 10,000 of them took 3 ms per token on the development VM
-# (OpenAI's API takes 4).
+if TYPE_CHECKING:
+    from deployments.engine.tokenizer import IncrementalDecoder
+
+# Stop strings per request: bounded because they are looked for after each token in the
+# engine's loop, which every request's steps share (docs/measurements.md).
 MAX_STOP_STRINGS = 64
 # Stop token ids are one set lookup per token; the bound only keeps a request's set small.
 MAX_STOP_TOKEN_IDS = 1024
@@ -99,7 +100,7 @@ class Chunk:
 class TextState:
     """Incremental text with stop strings: holds back any tail that could start a stop string."""
 
-    def __init__(self, decoder: Any | None, stop: list[str]):
+    def __init__(self, decoder: IncrementalDecoder | None, stop: list[str]):
         self._dec = decoder
         self._stop = list(stop)
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -119,7 +120,7 @@ class TextState:
             return self._take(len(self.text)), True
         return self._take(len(self.text) - self._held()), False
 
-    def finish(self, stopped: bool) -> str:
+    def finish(self) -> str:
         """Everything still held back (incomplete character, partial stop string)."""
         if self._dec is not None:
             self.text += self._dec.flush()
@@ -151,8 +152,8 @@ _together = _Together()
 @contextlib.contextmanager
 def delivered_together() -> Iterator[None]:
     """Chunks put in this thread meanwhile reach each asyncio consumer's loop in one
-    ``call_soon_threadsafe`` at the end, in order (one wake-up of a loop per step, where a
-    call per request took ~1 ms of the engine's thread per step at 128 requests)."""
+    ``call_soon_threadsafe`` at the end, in order: one wake-up of a loop per step, not one call
+    per request, each of which costs the engine's thread (docs/measurements.md)."""
     if _together.pending is not None:  # nested: the outer one delivers
         yield
         return

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from deployments.engine.config import GiB, EngineConfig, prefill_lengths
+from deployments.engine.decoder import Decoder
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,13 @@ def check_fits(need: int, reserve: int, cfg: EngineConfig, free: int, total: int
             f"is free on {device}; lower engine.max_slots or engine.max_seq_len (or engine.reserve_bytes)")
 
 
-def default_reserve(model: Any, cfg: EngineConfig, gathered: int) -> int:
+def default_reserve(model: Decoder, cfg: EngineConfig, gathered: int) -> int:
     """engine.reserve_bytes where it is not set: 1 GiB (graphs, cuBLAS workspaces, sampling) plus
     twice the model's estimate of its largest prefill forward (``activation_bytes``: a chunk of
     ``prefill_chunk`` tokens reading ``gathered`` cached positions), or 1 GiB alone for a model
     without one."""
-    estimate = getattr(model, "activation_bytes", None)
-    if estimate is None:
-        return GiB
-    return GiB + 2 * estimate(cfg.prefill_chunk, max(1, cfg.prefill_chunk // 16), gathered)
+    estimate = model.activation_bytes(cfg.prefill_chunk, max(1, cfg.prefill_chunk // 16), gathered)
+    return GiB if estimate is None else GiB + 2 * estimate
 
 
 class ModelRunner:
@@ -60,12 +59,12 @@ class ModelRunner:
     is used by the engine's loop thread only (and ``capture`` before that thread starts).
     """
 
-    def __init__(self, model: Any, cfg: EngineConfig):
+    def __init__(self, model: Decoder, cfg: EngineConfig):
         self.model, self.cfg = model, cfg
         self.device = model.device
         model.setup_rope(cfg.max_seq_len)
         paged = cfg.kv_cache == "paged"
-        if paged and not getattr(model, "supports_paged_cache", False):
+        if paged and not model.supports_paged_cache:
             log.warning("engine.kv_cache paged: %s has no paged cache; a static one instead", type(model).__name__)
             paged = False
         # past a prefix, a group's attention gathers each row's cached positions: at most four
@@ -75,8 +74,7 @@ class ModelRunner:
                               else default_reserve(model, cfg, self.group_read if paged else cfg.max_seq_len))
         self.cache = self._paged_cache() if paged else self._static_cache()
         # its kernels' paged variants, tested before any graph or key-length bound depends on them
-        check = getattr(model, "check_paged_kernels", None) if paged else None
-        paged_test_s = check(self.cache) if check is not None else 0.0
+        paged_test_s = model.check_paged_kernels(self.cache) if paged else 0.0
         # decode inputs: rows = token, position, valid; one host->device copy per step. A slot's
         # token may instead be the one its last step sampled on the device (``feed``).
         pin = self.device.type == "cuda"
@@ -96,14 +94,13 @@ class ModelRunner:
         self.capture_lock = threading.Lock()
         # the decode steps' key-length bounds (a graph each per batch size): all of kv_len_buckets
         # where a step reads keys up to the bound, the longest alone where it reads each row's own
-        kv_lens = getattr(model, "decode_kv_lens", None)
-        self.kv_lens = kv_lens(cfg.kv_len_buckets) if kv_lens else cfg.kv_len_buckets
+        self.kv_lens = model.decode_kv_lens(cfg.kv_len_buckets)
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and model.supports_cuda_graphs
         self.prefill_lengths = (prefill_lengths(cfg.prefill_chunk, cfg.prefill_min_len)
-                                if cfg.prefill_padding and getattr(model, "supports_prefill_padding", False) else ())
+                                if cfg.prefill_padding and model.supports_prefill_padding else ())
         # prompts of one start and one padded length share a forward; its head always multiplies the most
         # rows a group can have, one shape for every group
-        self.batched_prefill = bool(self.prefill_lengths) and getattr(model, "supports_batched_prefill", False)
+        self.batched_prefill = bool(self.prefill_lengths) and model.supports_batched_prefill
         self._logit_rows = max(1, cfg.prefill_chunk // 16)
         self.stats: dict[str, Any] = {"reserve_bytes": self.reserve_bytes, "capture_s": 0.0, "first_launch_s": 0.0,
                                       "first_prefill_s": 0.0, "late_captures": {},
@@ -146,7 +143,7 @@ class ModelRunner:
 
     def out_of_memory(self, what: str) -> RuntimeError:
         """The error for device memory run out before serving, in ``what``: which knobs leave more."""
-        cfg, paged = self.cfg, getattr(self.cache, "paged", False)
+        cfg, paged = self.cfg, self.cache.paged
         fewer = ("set engine.kv_blocks below the cache's %d" % self.cache.num_blocks if paged
                  else "lower engine.max_slots or engine.max_seq_len")
         return RuntimeError(
@@ -275,7 +272,7 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
-        def timed(key: int | str, run: Any) -> None:
+        def timed(key: int | str, run: Callable[[], object]) -> None:
             t = time.perf_counter()
             try:
                 run()

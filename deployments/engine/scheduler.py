@@ -344,13 +344,13 @@ class Scheduler:
     def _emit(self, s: Seq, tok: int, reason: str | None) -> None:
         """Detokenize one token, check stop strings, stream it or finish the request."""
         if reason == "stop":
-            text = s.text.finish(stopped=True)  # the stop token's text is not returned
+            text = s.text.finish()  # the stop token's text is not returned
         else:
             text, hit = s.text.push(tok)
             if hit:
                 reason = "stop"
             elif reason == "length":
-                text += s.text.finish(stopped=False)
+                text += s.text.finish()
         if reason is None:
             s.handle._put(Chunk([tok], text, None))
         else:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from deployments.engine.engine import Engine
 
 
 class WarmupPlan(BaseModel):
@@ -34,7 +37,7 @@ class WarmupPlan(BaseModel):
         return v
 
 
-def run_warmup(engine: Any, plan: WarmupPlan, seed: list[int]) -> None:
+def run_warmup(engine: Engine, plan: WarmupPlan, seed: list[int]) -> None:
     """Run ``plan`` on ``engine``: per round and batch size, that many greedy shadow requests at
     once, each a prompt of ``plan.prompt_fraction`` of the context (``seed`` repeated) and
     ``plan.decode_tokens`` new tokens. Raises RuntimeError where one fails."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from deployments.model.config import (NATIVE_ARCHITECTURES, SILU_ACTIVATIONS, Mo
                                       native_blockers, unread_fields)
 from deployments.model.fused import fuse_projections
 from deployments.model.llama import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
 
 
 def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None,
-                 tp: Any = None) -> Transformer:
+                 tp: ProcessGroup | None = None) -> Transformer:
     """Build the native decoder on meta and assign `tensors` (HF names) as its parameters.
 
     ``tp``: a torch.distributed process group of more than one rank: `tensors` are this process's
@@ -167,7 +170,7 @@ def build_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], 
                          f"either: {type(e).__name__}: {e}") from e
 
 
-def _group_size(group: Any) -> int:
+def _group_size(group: ProcessGroup) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size(group)

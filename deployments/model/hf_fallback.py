@@ -1,6 +1,6 @@
 """Serve an architecture without a native implementation through transformers.
 
-Slower to start (importing transformers costs 10-12 s on the GPU machine) and
+Slower to start (transformers' model classes take seconds to import) and
 slower to decode (eager, one sequence per forward, no CUDA graphs), but any
 `*ForCausalLM` that transformers knows still serves. transformers is imported
 only inside `build_hf_model`, never at module import.
@@ -57,6 +57,8 @@ class _Cfg:
 class HFCache:
     """One transformers cache object per slot (grows dynamically; no static preallocation)."""
 
+    paged = False
+
     def __init__(self, max_slots: int, max_seq_len: int):
         self.slots: list[Any] = [None] * max_slots
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
@@ -66,10 +68,17 @@ class HFCache:
         self.slots[slot] = None
 
 
+_NOT_PAGED = "a transformers model has no paged KV cache (supports_paged_cache is False)"
+
+
 class HFModel(nn.Module):
-    """Engine-facing wrapper around a transformers causal LM."""
+    """Engine-facing wrapper around a transformers causal LM (``deployments.engine.decoder.Decoder``):
+    eager, one sequence per forward, a static cache of transformers' own objects."""
 
     supports_cuda_graphs = False
+    supports_paged_cache = False
+    supports_prefill_padding = False
+    supports_batched_prefill = False
 
     def __init__(self, hf: nn.Module, config: Mapping[str, Any]):
         super().__init__()
@@ -80,6 +89,7 @@ class HFModel(nn.Module):
         self.config = _Cfg(int(config["vocab_size"]), int(n_pos), (config.get("architectures") or ["?"])[0])
         self.max_position_embeddings = self.config.max_position_embeddings
         self.vocab_size = self.config.vocab_size
+        self.build_s: dict[str, float] = {}  # (transformers' build has no steps of its own to time)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -97,6 +107,29 @@ class HFModel(nn.Module):
 
     def setup_rope(self, max_seq_len: int) -> None:  # transformers handles positions itself
         pass
+
+    def weights_loaded(self) -> None:  # built after its load: the weights are there already
+        pass
+
+    def activation_bytes(self, tokens: int, logit_rows: int, gathered: int) -> None:
+        return None  # no estimate: the engine's fixed reserve
+
+    def decode_kv_lens(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        return buckets  # (no graphs: the bounds only pad the decode step's inputs)
+
+    def new_paged_cache(self, num_blocks: int, block_size: int, max_slots: int, max_seq_len: int) -> Any:
+        raise NotImplementedError(_NOT_PAGED)
+
+    def cache_block_bytes(self, block_size: int) -> int:
+        raise NotImplementedError(_NOT_PAGED)
+
+    def check_paged_kernels(self, cache: Any) -> float:
+        raise NotImplementedError(_NOT_PAGED)
+
+    def prefill_batch(self, tokens: torch.Tensor, cache: HFCache, slots: list[int], n_valid: list[int],
+                      **kw: Any) -> torch.Tensor:
+        raise NotImplementedError("a transformers model prefills one prompt at a time "
+                                  "(supports_batched_prefill is False)")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=tokens, use_cache=False).logits

@@ -23,7 +23,7 @@ This module must stay cheap to import: no transformers, no ray, no jinja2.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from deployments.model.attention import Attention, AttnContext, attention_backen
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
 from deployments.model.fused import refresh_copies
 from deployments.model.kv_cache import KVCache, PagedKVCache
+
+if TYPE_CHECKING:
+    from deployments.model.tp import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: AttnContext, tp: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttnContext, tp: TensorParallel | None = None) -> torch.Tensor:
         # tp: a tensor-parallel rank's TensorParallel: attention and MLP give partial sums
         a = self.self_attn(self.input_layernorm(x), ctx)
         x = x + (a if tp is None else tp.all_reduce(a))
@@ -120,7 +123,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_len = 0
         self.kernels = KernelPlan()  # the Triton kernels it runs on CUDA (set by the build: kernels.policy)
-        self.tp: Any = None  # a tensor-parallel rank's deployments.model.tp.TensorParallel (set by the build)
+        self.tp: TensorParallel | None = None  # a tensor-parallel rank's collectives (set by the build)
         self.build_s: dict[str, float] = {}  # the build's steps, seconds (assemble, kernel tests, GEMV choice)
 
     @property

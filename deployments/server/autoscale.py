@@ -17,7 +17,10 @@ imports it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingContext
 
 CAPACITY = "capacity_ratio"
 """The metric's name in ``record_autoscaling_stats``."""
@@ -41,7 +44,7 @@ def capacity_ratio(engine_stats: dict, max_slots: int) -> float:
     return max(MIN_RATIO, min(1.0, holds / max_slots))
 
 
-def capacity_policy(ctx: Any) -> tuple[float, dict]:
+def capacity_policy(ctx: AutoscalingContext) -> tuple[float, dict]:
     """The replicas a deployment needs: Ray's rule (the requests in and queued for the replicas /
     ``target_ongoing_requests``), with the target scaled by the running replicas' mean
     ``capacity_ratio`` over Ray's look-back window (1 where none reported one yet). ``ctx``:

@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp
 
 from deployments.engine.request import cut
 from deployments.server import api
 from deployments.server.responses import BODY_SLACK_BYTES, cancelled, error, text_limit
 from deployments.server.routes import Routes
+
+if TYPE_CHECKING:
+    from deployments.server.replica import LLMServer
 
 log = logging.getLogger("coldstart.server")
 
@@ -42,7 +46,7 @@ class BodyGuard:
     """ASGI middleware: reads a request's whole body before the app runs, within a size limit
     (413) and a deadline (408), then hands it on; tags every response with the replica."""
 
-    def __init__(self, app: Any, server: Any):
+    def __init__(self, app: ASGIApp, server: LLMServer):
         self.app, self.server = app, server
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -115,10 +119,8 @@ def _schema(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
-def build(server: Any) -> FastAPI:
-    """The replica's HTTP app over ``server`` (an ``LLMServer``, or anything with its attributes:
-    ``engine``, ``tokenizer``, ``metrics``, ``warm``, ``model_name``, ``args``, ``replica_id``,
-    ``loaded``, ``stats()``, ``fault()``)."""
+def build(server: LLMServer) -> FastAPI:
+    """The replica's HTTP app over ``server``."""
     app = FastAPI(title="coldstart", summary="An LLM replica that starts in seconds.",
                   version="0.1.0", redoc_url=None)
     r = Routes(server)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deployments.engine.blocks import BlockPool
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +114,8 @@ class Metrics:
                 self._ray["gpu"].set(v, tags={"kind": kind})
             self._ray["retries"].set(ratio)
 
-    def sample_kv(self, blocks: Any) -> None:
-        """A paged KV cache's blocks (``deployments.engine.blocks.BlockPool``; None for a static
-        cache): held by sequences, kept with a prefix that nobody holds, empty (they sum to its capacity)."""
+    def sample_kv(self, blocks: BlockPool | None) -> None:
+        """A paged KV cache's blocks (None for a static cache): held by sequences, kept with a prefix that nobody holds, empty (they sum to its capacity)."""
         if blocks is None or not self._ray:
             return
         free, cached = blocks.free, blocks.cached

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 from deployments.config import DeploymentArgs
 from weights.timing import PhaseTimer
@@ -232,7 +232,7 @@ class Ranks:
     def describe(self) -> list[dict]:
         return list(self.info)
 
-    def shutdown(self, stop: Any = None) -> None:
+    def shutdown(self, stop: Callable[[], None] | None = None) -> None:
         """Stop every rank: ``stop()`` (rank 0's mirrored runner's) ends their loops where rank 0's
         engine has stopped; then their processes end."""
         import ray

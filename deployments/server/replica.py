@@ -14,12 +14,17 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 from deployments.config import DeploymentArgs, UserConfig, parse
 from deployments.server.metrics import Metrics
-from deployments.server.start import Start
+from deployments.server.start import Start, Started
 from weights.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from deployments.engine.engine import Engine
+    from deployments.engine.tokenizer import Tokenizer
+    from weights.loader import LoadedModel
 
 log = logging.getLogger("coldstart.server")
 
@@ -36,13 +41,13 @@ class LLMServer:
     Args (keyword, as serve_config.yaml's ``args``): see ``DeploymentArgs``. ``metrics``: where
     phases and request figures go (``Metrics(use_ray=True)`` inside Ray). ``own_process``: the
     process is the replica's own (a Ray worker: ``deployments.server.start.Start``). ``start``:
-    what makes the replica's engine (``Start`` by default; tests pass one that builds no model).
+    the start's class (``Start`` by default; tests pass a subclass that changes a step).
     """
 
     def __init__(self, model: str = "weights/demo", *, model_name: str | None = None, device: str = "auto",
                  engine: dict | None = None, load: dict | None = None, http: dict | None = None, tp: int = 1,
                  fault_injection: bool = False, metrics: Metrics | None = None, own_process: bool = False,
-                 start: Callable[..., Any] = Start):
+                 start: type[Start] = Start):
         self.started_at = time.time()  # Unix times of the start-up milestones, for /stats
         self.warm_at: float | None = None
         self._t0 = time.perf_counter()
@@ -53,12 +58,21 @@ class LLMServer:
         self.metrics = metrics or Metrics()
         self.timer = PhaseTimer(sinks=[self.metrics.phase])
         self.warm = False
-        self.warmups = 0
-        self.started = start(self.args, self.timer, own_process=own_process).run()
-        self.ranks = getattr(self.started, "ranks", None)  # a tensor-parallel replica's other ranks
-        self.engine, self.tokenizer, self.model = self.started.engine, self.started.tokenizer, self.started.model
-        self.device, self.loaded = self.started.device, self.started.loaded
+        self.started: Started = start(self.args, self.timer, own_process=own_process).run().started()
         self.model_name = self.args.model_label()
+
+    # what the HTTP routes read of the start (deployments.server.routes)
+    @property
+    def engine(self) -> Engine:
+        return self.started.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.started.tokenizer
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.started.loaded
 
     def reconfigure(self, user_config: dict | None) -> None:
         """Run the warm-up plan; the replica is warm (and healthy) only after the first one.
@@ -79,7 +93,6 @@ class LLMServer:
         finally:
             if first:  # the start's own end: its garbage-collector pause (Start.finish)
                 self.started.finish(warm=ok)
-        self.warmups += 1
         if first:
             self.warm = True
             self.warm_at = time.time()
@@ -92,13 +105,13 @@ class LLMServer:
             raise NotWarm("replica is not warm yet")
         if not self.engine.alive():
             raise RuntimeError(f"engine loop is not running: {self.engine.error!r}")
-        if self.ranks is not None:
-            self.ranks.check()
+        if self.started.ranks is not None:
+            self.started.ranks.check()
         with self.engine.capture_lock:  # its device-wide synchronize never lands inside a capture
-            err = device_error(self.device)
+            err = device_error(self.started.device)
         if err:
             raise RuntimeError(err)
-        self.metrics.sample_gpu(self.device)
+        self.metrics.sample_gpu(self.started.device)
         self.metrics.sample_kv(self.engine.blocks)
         # The graphs of the batch sizes the warm-up did not use (engine.lazy_graphs): captured by
         # the engine's loop whenever it is idle from the first health check that passed on. Not
@@ -123,7 +136,7 @@ class LLMServer:
                 "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                 "engine": (engine := self.engine.stats()), **self.metrics.snapshot(),
                 "capacity_ratio": capacity_ratio(engine, self.engine.config.max_slots),
-                **({"ranks": self.ranks.describe()} if self.ranks is not None else {})}
+                **({"ranks": ranks.describe()} if (ranks := self.started.ranks) is not None else {})}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics, every ``metrics_interval_s``: the share of its
@@ -136,5 +149,7 @@ class LLMServer:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-        if self.ranks is not None:  # their loops end with rank 0's (a stuck loop: their processes end)
-            self.ranks.shutdown(None if self.engine.alive() else getattr(self.engine.runner, "stop", None))
+        ranks = self.started.ranks
+        if ranks is not None:  # their loops end with rank 0's (a stuck loop: their processes end)
+            # (rank 0's runner is mirrored to them: its stop() ends their loops)
+            ranks.shutdown(None if self.engine.alive() else self.engine.runner.stop)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
 
-from deployments.engine.request import Chunk
+from deployments.engine.request import Chunk, RequestHandle
 from deployments.server import api
+
+if TYPE_CHECKING:
+    from deployments.server.replica import LLMServer
 
 log = logging.getLogger("coldstart.server")
 
@@ -36,7 +39,7 @@ class Unfinished(RuntimeError):
         self.status, self.kind = status, kind
 
 
-def unfinished(handle: Any) -> Unfinished | None:
+def unfinished(handle: RequestHandle) -> Unfinished | None:
     """Why ``handle``'s request ended without its answer; None when it finished, or when its own
     client cancelled it (nobody is left to tell)."""
     if handle.finish_reason == "error":
@@ -57,7 +60,7 @@ def cancelled(e: BaseException) -> bool:
     return isinstance(e, asyncio.CancelledError) or type(e).__name__ == "TaskCancelledError"
 
 
-def text_limit(server: Any) -> tuple[int, int]:
+def text_limit(server: LLMServer) -> tuple[int, int]:
     """(the context's tokens, the most characters of text a request may send for it)."""
     tokens = server.engine.config.max_seq_len
     return tokens, tokens * MAX_CHARS_PER_TOKEN
@@ -67,8 +70,9 @@ def json_line(obj: dict) -> bytes:
     return (json.dumps(obj) + "\n").encode()
 
 
-async def stream_body(handle: Any, render: Callable[[Chunk], bytes | None], tail: Callable[[Any], bytes] | None,
-                      fail: Callable[[Unfinished], bytes], account: Callable[[Any], None]) -> AsyncIterator[bytes]:
+async def stream_body(handle: RequestHandle, render: Callable[[Chunk], bytes | None],
+                      tail: Callable[[RequestHandle], bytes] | None, fail: Callable[[Unfinished], bytes],
+                      account: Callable[[RequestHandle], None]) -> AsyncIterator[bytes]:
     """A streamed response's body: ``render`` per chunk, then ``tail``. A request that ends without
     its answer (``unfinished``), or a fault of this code's own, ends with ``fail`` instead."""
     try:

@@ -23,7 +23,8 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from deployments.config import DeploymentArgs
 from deployments.startup import early
@@ -31,7 +32,35 @@ from weights.format import rank_dir
 from weights.readahead import is_cold, stop_trickle, trickle
 from weights.timing import PhaseTimer
 
+if TYPE_CHECKING:  # annotations only: each step imports what it needs when it runs
+    import torch
+
+    from deployments.engine.decoder import Decoder
+    from deployments.engine.engine import Engine
+    from deployments.engine.mirror import Channel
+    from deployments.engine.runner import ModelRunner
+    from deployments.engine.tokenizer import Tokenizer
+    from deployments.server.ranks import Ranks
+    from deployments.startup.side import SideTask
+    from deployments.peers import RayPeers
+    from weights.fetch import Fetch
+    from weights.loader import LoadedModel, PendingLoad
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a replica's start made, handed to the server as one object (``Start.started``)."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    model: Decoder
+    device: torch.device
+    loaded: LoadedModel
+    ranks: Ranks | None  # a tensor-parallel replica's other ranks
+    finish: Callable[..., None]  # ``Start.finish``, after the first warm-up
+
 
 @dataclass
 class Step:
@@ -57,25 +86,25 @@ class Start:
         self.args, self.timer, self.own_process = args, timer, own_process
         self.rank, self.tp, self.leader = rank, args.tp, rank == 0
         self.remote = args.is_remote()
-        self.fetch: Any = None  # a remote model's transfer into this node's cache (weights.fetch.Fetch)
+        self.fetch: Fetch | None = None  # a remote model's transfer into this node's cache
         self._set_path(None if self.remote else args.model_path())
         self.rendezvous = rendezvous  # tcp://host:port of rank 0's process-group store (tp > 1)
-        self.ranks: Any = None  # rank 0: the other ranks (deployments.server.ranks.Ranks)
-        self.group: Any = None  # the model's torch.distributed group (tp > 1)
-        self.channel: Any = None  # rank 0's calls to the other ranks (deployments.engine.mirror.Channel)
-        self.runner: Any = None  # another rank's ModelRunner, which rank 0's engine drives
+        self.ranks: Ranks | None = None  # rank 0: the other ranks
+        self.group: torch.distributed.ProcessGroup | None = None  # the model's process group (tp > 1)
+        self.channel: Channel | None = None  # rank 0's calls to the other ranks
+        self.runner: ModelRunner | None = None  # another rank's runner, which rank 0's engine drives
         self.opts = args.load
-        self.device: Any = None
-        self.pending: Any = None  # the load under way (weights.loader.PendingLoad)
-        self.loaded: Any = None
-        self.model: Any = None
-        self.tokenizer: Any = None
-        self.engine: Any = None
+        self.device: torch.device | None = None
+        self.pending: PendingLoad | None = None  # the load under way
+        self.loaded: LoadedModel | None = None
+        self.model: Decoder | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.engine: Engine | None = None
         self.trickling = False
         self.overlap = False  # the engine is built while the weights arrive
-        self.side: dict[str, Any] = {}  # the side threads' tasks (deployments.startup.side.SideTask)
+        self.side: dict[str, SideTask] = {}  # the side threads' tasks
 
-    def _set_path(self, path: Any) -> None:
+    def _set_path(self, path: Path | None) -> None:
         self.path = path  # the packed model's directory on this node (a remote one's cache entry)
         self.weights_dir = None if path is None else path if self.tp == 1 else path / rank_dir(self.rank)
 
@@ -117,6 +146,13 @@ class Start:
                                         ("engine_model", "engine_tokenizer", "engine_kv_cache", "engine_graphs")))
         self.timer.record("constructor", time.perf_counter() - t0)
         return self
+
+    def started(self) -> Started:
+        """Rank 0's start, once ``run`` returned: what the server serves with."""
+        made = (self.engine, self.tokenizer, self.model, self.device, self.loaded)
+        if not self.leader or any(x is None for x in made):
+            raise RuntimeError("Start.started(): the start has not run to its end on rank 0")
+        return Started(*made, self.ranks, self.finish)
 
     def finish(self, warm: bool) -> None:
         """After the first warm-up: what the start made lives as long as the process, so it is
@@ -245,7 +281,7 @@ class Start:
             triton.wait()
             self.timer.record("engine_model_triton_wait", time.perf_counter() - t)
         self.model = build_model(self.pending.config, self.pending.tensors, tp=self.group)
-        for step, seconds in getattr(self.model, "build_s", {}).items():  # the native model's own steps
+        for step, seconds in self.model.build_s.items():  # the model's own build steps
             self.timer.record(f"engine_model_{step}", seconds)
 
     def read_tokenizer(self) -> None:
@@ -308,7 +344,7 @@ class Start:
         self.ranks.loaded(self.channel.gather(None))
 
 
-def _peers(root: Any) -> Any:
+def _peers(root: Path) -> RayPeers | None:
     """This node's peer service and the other nodes' (``deployments.peers``), where the process is
     part of a Ray cluster; None elsewhere (the transfer then reads from the source alone)."""
     try:
@@ -321,10 +357,11 @@ def _peers(root: Any) -> Any:
     return RayPeers(root)
 
 
-def check_pack(path: Any, tp: int) -> None:
+def check_pack(path: Path, tp: int) -> None:
     """``path`` holds a packed model for ``tp`` ranks: one model.cst, or a split pack of exactly
     ``tp`` ranks; otherwise an error saying what is there and what to do."""
-    from weights.tp import is_split_pack, read_manifest
+    from weights.format import read_manifest
+    from weights.tp import is_split_pack
     if is_split_pack(path):
         size = read_manifest(path)["size"]
         if tp == 1:

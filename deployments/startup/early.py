@@ -2,7 +2,7 @@
 
 Between the controller asking for a replica and the replica's constructor, Ray starts a
 worker process, imports itself, connects to the node, receives the actor, imports Serve's
-replica and unpickles the deployment's class: some 4 s on an H200 host, during which the
+replica and unpickles the deployment's class: seconds (docs/measurements.md) in which the
 process waits on its node as much as it computes. Ray runs a worker's *setup hook* right after
 the worker connects, before it takes the actor: serve_config.yaml names ``hook`` there
 (``__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR``; Ray's ``runtime_env.worker_process_setup_hook``

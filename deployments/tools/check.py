@@ -13,7 +13,7 @@ DEFAULT_MODEL_DIR = "weights/demo"
 STATUSES = ("ok", "warn", "fail", "skip")
 CONTEXT_WARN_S = 2.0
 READ_WARN_GBPS = 1.0  # a 13.5 GB 7B model then takes > 13 s just to read
-PINNED_WARN_GBPS = 10.0  # PCIe 3.0 x16 gives ~12; 4.0 ~25; an H200 SXM measured 53
+PINNED_WARN_GBPS = 10.0  # below PCIe 3.0 x16's ~12 GB/s: the pinned path is not working as it should
 GIB = 1 << 30
 
 @dataclass

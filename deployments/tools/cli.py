@@ -146,9 +146,9 @@ def model_to_serve(path: str | Path, tp: int | None) -> tuple[Path | str, int | 
     config says, one), checked before Ray starts: one model (``packed_model``), or a split pack
     whose every rank's file reads (served over as many ranks; ``tp``, where given, must agree).
     A remote model (``s3://...``) stays its URI, its header read and checked at the source."""
-    from weights.format import read_packed
+    from weights.format import read_manifest, read_packed
     from weights.remote import is_remote
-    from weights.tp import is_split_pack, rank_path, read_manifest
+    from weights.tp import is_split_pack, rank_path
     if is_remote(str(path)):
         return remote_to_serve(str(path), tp)
     p = Path(path).expanduser().resolve()
@@ -331,7 +331,8 @@ def _cmd_kernels(a: argparse.Namespace) -> int:
     """Start the packed model once on this node's GPU with an empty Triton cache (every decode
     graph captured, the warm-up run), then keep what the start compiled in DIR/kernels/<key>/, so
     that replicas on new nodes of this GPU kind compile nothing (deployments.kernels.bundle)."""
-    from weights.tp import is_split_pack, read_manifest
+    from weights.format import read_manifest
+    from weights.tp import is_split_pack
     if is_split_pack(a.dir):
         raise ValueError(f"{a.dir} is split over {read_manifest(a.dir)['size']} tensor-parallel ranks: `coldstart "
                          "kernels` keeps the kernels of a one-device pack only; a split pack's ranks compile theirs "

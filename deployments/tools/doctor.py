@@ -28,16 +28,16 @@ import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Mapping, Sequence
 
-from deployments.gpu_facts import (  # noqa: F401  (parsers re-exported: part of the doctor's API)
-    PROC_DRIVER_VERSION, GpuInfo, _loaded_libraries, _runtime_wheel_version, _vtuple, driver_cuda_version,
-    driver_verdict, parse_nvidia_smi, parse_proc_driver_version, probe_driver, visibility_verdict)
-from deployments.tools.check import (CONTEXT_WARN_S, DEFAULT_MODEL_DIR, GIB, PINNED_WARN_GBPS,  # noqa: F401
-                                     READ_WARN_GBPS, STATUSES, WEIGHTS_FILE, Check, DoctorOptions)
-from deployments.tools.doctor_files import (  # noqa: F401  (the checks' helpers: part of the doctor's API)
-    check_bytecode, check_kernel_cache, check_page_cache, check_read_speed, drop_page_cache, kernel_cache_verdict,
-    model_files, mount_of, page_cache_fraction, read_files)
+from deployments.gpu_facts import (PROC_DRIVER_VERSION, GpuInfo, _loaded_libraries, _runtime_wheel_version, _vtuple,
+                                   driver_cuda_version, driver_verdict, probe_driver, visibility_verdict)
+from deployments.tools.check import (CONTEXT_WARN_S, DEFAULT_MODEL_DIR, PINNED_WARN_GBPS, STATUSES, Check,
+                                     DoctorOptions)
+from deployments.tools.doctor_files import (check_bytecode, check_kernel_cache, check_page_cache, check_read_speed,
+                                            drop_page_cache, model_files)
+
 
 def check_driver(opts: DoctorOptions, torch_cuda: str | None,
                  probed: tuple[str | None, list[GpuInfo], str]) -> Check:
@@ -84,7 +84,7 @@ def check_torch_build(opts: DoctorOptions) -> tuple[Check, Any]:
                  f" (import took {import_s:.1f} s)", "", data), torch
 
 
-def check_cuda_runtime(opts: DoctorOptions, torch: Any) -> Check:
+def check_cuda_runtime(opts: DoctorOptions, torch: ModuleType) -> Check:
     """The CUDA runtime torch loaded, against the one it was built for and the driver's."""
     name = "cuda runtime"
     if torch is None or torch.version.cuda is None:
@@ -118,7 +118,7 @@ def check_cuda_runtime(opts: DoctorOptions, torch: Any) -> Check:
 
 
 # ---------------------------------------------------------------- which GPU
-def check_visible_gpu(opts: DoctorOptions, torch: Any, listed: list[GpuInfo]) -> Check:
+def check_visible_gpu(opts: DoctorOptions, torch: ModuleType, listed: list[GpuInfo]) -> Check:
     name = "visible gpu"
     count = None
     if torch is not None and torch.version.cuda is not None:
@@ -133,7 +133,7 @@ def check_visible_gpu(opts: DoctorOptions, torch: Any, listed: list[GpuInfo]) ->
 
 
 # ---------------------------------------------------------------- CUDA context
-def check_cuda_context(opts: DoctorOptions, torch: Any) -> Check:
+def check_cuda_context(opts: DoctorOptions, torch: ModuleType) -> Check:
     """Time the first CUDA context in this process: torch.cuda.init() plus the first
     allocation (the runtime creates the primary context lazily, at first use)."""
     name = "cuda context"
@@ -168,7 +168,7 @@ def check_cuda_context(opts: DoctorOptions, torch: Any) -> Check:
     return Check(name, "ok", detail, "", data)
 
 
-def check_gpu_memory(opts: DoctorOptions, torch: Any) -> Check:
+def check_gpu_memory(opts: DoctorOptions, torch: ModuleType) -> Check:
     name = "gpu memory"
     if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
         return _no_gpu(name, opts, "no usable CUDA device")
@@ -224,7 +224,7 @@ def check_env() -> Check:
 
 
 # ---------------------------------------------------------------- host -> device
-def check_pinned_h2d(opts: DoctorOptions, torch: Any, nbytes: int = 256 << 20) -> Check:
+def check_pinned_h2d(opts: DoctorOptions, torch: ModuleType, nbytes: int = 256 << 20) -> Check:
     name = "pinned h2d"
     if torch is None or torch.version.cuda is None or not torch.cuda.is_available():
         return _no_gpu(name, opts, "no usable CUDA device")

@@ -9,7 +9,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from types import ModuleType
+from typing import Sequence
 
 from deployments import envs
 from deployments.node_cache import triton_cache_dir
@@ -187,7 +188,7 @@ def kernel_cache_verdict(path: Path, kernels: int, nbytes: int, writable: bool,
     return "ok", where, ""
 
 
-def check_kernel_cache(opts: DoctorOptions, torch: Any) -> Check:
+def check_kernel_cache(opts: DoctorOptions, torch: ModuleType) -> Check:
     name = "kernel cache"
     import importlib.util
     if not envs.read("COLDSTART_TRITON"):

@@ -14,6 +14,7 @@ NCCL group whose all-reduce runs inside every decode step. Three rows:
 from __future__ import annotations
 
 import time
+from types import ModuleType
 from typing import Any
 
 from deployments.server.ranks import free_port
@@ -22,11 +23,11 @@ from deployments.tools.check import Check, DoctorOptions
 GROUP_WARN_S = 10.0  # a group's start beyond this is the node's (NCCL's topology search, a slow interface)
 
 
-def _gpus(opts: DoctorOptions, torch: Any) -> int:
+def _gpus(opts: DoctorOptions, torch: ModuleType) -> int:
     return torch.cuda.device_count() if torch is not None and torch.version.cuda is not None else 0
 
 
-def check_tp_gpus(opts: DoctorOptions, torch: Any, no_gpu: Any) -> Check:
+def check_tp_gpus(opts: DoctorOptions, torch: ModuleType, no_gpu: Any) -> Check:
     name, n = "tp gpus", opts.tp
     have = _gpus(opts, torch)
     if not have:
@@ -43,7 +44,7 @@ def check_tp_gpus(opts: DoctorOptions, torch: Any, no_gpu: Any) -> Check:
     return Check(name, "ok", f"{have} GPUs visible ({names.pop()}); tp {n} uses {n}", "", data)
 
 
-def check_tp_peers(opts: DoctorOptions, torch: Any, no_gpu: Any) -> Check:
+def check_tp_peers(opts: DoctorOptions, torch: ModuleType, no_gpu: Any) -> Check:
     name, n = "tp peer access", opts.tp
     if _gpus(opts, torch) < n:
         return no_gpu(name, opts, f"fewer than {n} GPUs visible")
@@ -73,7 +74,7 @@ def _rank(rank: int, n: int, port: int, backend: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def check_tp_group(opts: DoctorOptions, torch: Any, no_gpu: Any, timeout_s: float = 120) -> Check:
+def check_tp_group(opts: DoctorOptions, torch: ModuleType, no_gpu: Any, timeout_s: float = 120) -> Check:
     name, n = "tp group start", opts.tp
     gpus = _gpus(opts, torch)
     if gpus and gpus < n:
