@@ -14,6 +14,10 @@ pieces in its own rotated order (node k starts at piece k * pieces / N). Before 
 it looks at what its peers held at the last refresh of their holdings (every ``refresh`` s):
 a piece some peer holds comes from the least-loaded holder (fewest uploads in flight), else from
 the object store. A piece is held once all its bytes have arrived (its checksum verified).
+``--holders K`` adds K nodes holding the whole model from the start (running replicas).
+``--defer-in-flight`` is a change to that design, for comparison: peers also publish the pieces
+they are reading from the store, and a loader takes such a piece last (from its reader once held,
+waiting for the next refresh when nothing else is left) instead of reading it from the store too.
 Bandwidth is shared max-min fairly (progressive filling) among the transfers in flight under
 these limits: each node's NIC down and up (full duplex, one limit per direction), the store's
 total egress, and the store's rate per connection. A request's first byte comes ``latency``
@@ -31,7 +35,6 @@ import bisect
 import heapq
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
