@@ -21,9 +21,10 @@ waiting for the next refresh when nothing else is left) instead of reading it fr
 Bandwidth is shared max-min fairly (progressive filling) among the transfers in flight under
 these limits: each node's NIC down and up (full duplex, one limit per direction), the store's
 total egress, and the store's rate per connection. A request's first byte comes ``latency``
-after it is sent. The ranks of a node are alike (files of one size, taken in one order), so the
-simulation runs one rank per node with 1/TP of every shared limit, which is exact while they stay
-in step. A node's replica is warm at max(its transfer, the replica's start with a local model)
+after it is sent (``--jitter``: uniformly within 0 and twice that). The ranks of a node are
+alike (files of one size, taken in one order), so the simulation runs one rank per node with
+1/TP of every shared limit, which is exact while they stay in step.
+A node's replica is warm at max(its transfer, the replica's start with a local model)
 plus what overlapping the two cost on one host (both from docs/measurements.md, "A new node's
 first replica").
 """
@@ -35,6 +36,9 @@ import bisect
 import heapq
 import json
 import math
+import platform
+import random
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -70,6 +74,8 @@ class Fleet:
     threads: int = 16            # reads in flight per rank's loader
     latency_ms: float = 20.0     # first byte of a ranged read from the store
     peer_latency_ms: float = 5.0  # first byte of a piece from a peer
+    jitter: bool = False         # each first byte uniformly within 0..2 x its latency (seeded)
+    seed: int = 0
     refresh_s: float = 0.5       # how old a node's view of its peers' holdings may be
     holders: int = 0             # nodes already holding the whole model (running replicas)
     defer_in_flight: bool = False  # put off a piece a peer was reading from the store at the refresh
@@ -181,6 +187,7 @@ class _Sim:
         self.bytes_store = 0.0
         self.bytes_peer = 0.0
         self.flows: list[list] = []  # [node, piece, source, bytes left, first byte at, rate]
+        self.rng = random.Random(f.seed)
 
     def size(self, p: int) -> float:
         return self.last if p == self.npieces - 1 else self.piece
@@ -212,6 +219,8 @@ class _Sim:
         else:
             self.uploads[src] += 1
         lat = (self.f.latency_ms if src == self.STORE else self.f.peer_latency_ms) / 1e3
+        if self.f.jitter:
+            lat *= 2 * self.rng.random()
         self.flows.append([node, p, src, self.size(p), now + lat, rate])
 
     def peer_for(self, p: int, seen: float) -> int:
@@ -443,6 +452,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=d.threads, help="reads in flight per rank's loader")
     ap.add_argument("--latency-ms", type=float, default=d.latency_ms, help="a store read's first byte")
     ap.add_argument("--peer-latency-ms", type=float, default=d.peer_latency_ms, help="a peer's first byte")
+    ap.add_argument("--jitter", action=argparse.BooleanOptionalAction, default=d.jitter,
+                    help="each read's first byte uniformly within 0 to twice its latency, so that "
+                         "reads begun together do not end together")
+    ap.add_argument("--seed", type=int, default=d.seed, help="for --jitter")
     ap.add_argument("--refresh-s", type=float, default=d.refresh_s, help="peers' holdings refreshed every")
     ap.add_argument("--holders", type=int, default=d.holders,
                     help="nodes already holding the model (running replicas), serving it to peers")
@@ -463,6 +476,17 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _made() -> dict:
+    """Where and when the figures were made: the host, the commit, the time (UTC)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=sys.path[0] or ".", check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"host": platform.node(), "commit": commit,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
@@ -481,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = runs[0] if len(runs) == 1 else {"runs": runs}
+    res = {**runs[0], "made": _made()} if len(runs) == 1 else {"runs": runs, "made": _made()}
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(res, fh, indent=2)

@@ -92,6 +92,14 @@ def test_70b_tp4_on_100_nodes_with_peers_is_warm_within_twice_one_node():
     assert res["goal_met"]
 
 
+def test_jitter_is_seeded_and_keeps_a_lone_nodes_time():
+    kw = dict(nodes=1, model_gb=2, tp=1, peers=False, connection_mbps=100, egress_gbps=0, latency_ms=20)
+    plain = simulate(Fleet(**kw))["transfer_s"]
+    first, again = (simulate(Fleet(jitter=True, seed=3, **kw))["transfer_s"] for _ in range(2))
+    assert first == again
+    assert first["p100"] == pytest.approx(plain["p100"], rel=0.05)
+
+
 def test_share_rates_is_max_min_fair():
     # two links of 10 and 4; group a crosses both, b only the first, c only the second
     rates = share_rates([(1, (0, 1), float("inf")), (2, (0,), float("inf")), (1, (1,), 1.0)], {0: 10, 1: 4})
