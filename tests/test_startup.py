@@ -63,7 +63,7 @@ def test_the_start_is_one_list_of_named_steps(tiny_packed):
     timer = PhaseTimer()
     start = Start(args, timer)
     names = [s.name for s in start.steps()]
-    assert names == ["ranks", "imports", "context", "tp_group", "load_start", "load_first", "engine_model",
+    assert names == ["ranks", "resolve", "imports", "context", "tp_group", "load_start", "load_first", "engine_model",
                      "engine_tokenizer", "engine_kv_cache", "load_release", "ranks_ready", "engine_graphs",
                      "load_wait", "ranks_loaded"]
     start.run()

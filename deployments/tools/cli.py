@@ -105,6 +105,8 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
     placement group it needs (``tp``: N bundles, each the replica's own resources; one node); the
     rest as it was."""
     import yaml
+
+    from weights.remote import is_remote
     cfg = yaml.safe_load(config_text) or {}
     apps = cfg.get("applications") or []
     ours = [app for app in apps if app.get("import_path") == APP_IMPORT_PATH]
@@ -116,10 +118,10 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
             app["args"] = {**(app.get("args") or {}), "model": str(model)}
             # the worker setup hook starts reading its weights on a node where they are not cached
             env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
-            if isinstance(model, Path):
-                env["COLDSTART_EARLY_WEIGHTS"] = str(model)
-            else:  # a remote model arrives through the node cache, not a file to read ahead
+            if is_remote(str(model)):  # a remote model arrives through the node cache, not a file to read ahead
                 env.pop("COLDSTART_EARLY_WEIGHTS", None)
+            else:
+                env["COLDSTART_EARLY_WEIGHTS"] = str(model)
         if tp is not None:
             app["args"] = {**(app.get("args") or {}), "tp": tp}
     for app in apps:
