@@ -76,7 +76,7 @@ RUN pip install --no-cache-dir . \
     && python -c "import deployments, weights"
 # serve_config.gpu.yaml = serve_config.yaml for GPU nodes (python k8s/sync.py):
 # one GPU per replica, model at /models/llama-2-7b, proxy on 0.0.0.0
-COPY serve_config.yaml serve_config.gpu.yaml ./
+COPY serve_config.yaml serve_config.gpu.yaml serve_config.zero.yaml ./
 
 COPY --from=models --chown=coldstart:coldstart / /models/${MODEL_NAME}/
 

@@ -319,16 +319,26 @@ def test_sync_rewrites_only_the_serve_config_block(tmp_path):
     # --check reports drift with the fix in the message, and passes once synced
     cfg = tmp_path / "serve_config.yaml"
     cfg.write_text(yaml.safe_dump({"applications": apps}))
-    rs, gpu = tmp_path / "rayservice.yaml", tmp_path / "serve_config.gpu.yaml"
+    rs, gpu, zero = tmp_path / "rayservice.yaml", tmp_path / "serve_config.gpu.yaml", tmp_path / "zero.yaml"
     rs.write_text(RAYSERVICE_TEXT)
     cmd = [sys.executable, str(ROOT / "k8s" / "sync.py"), "--serve-config", str(cfg),
-           "--rayservice", str(rs), "--gpu-config", str(gpu)]
+           "--rayservice", str(rs), "--gpu-config", str(gpu), "--zero-config", str(zero)]
     r = subprocess.run(cmd + ["--check"], capture_output=True, text=True)
     assert r.returncode == 1 and "run python k8s/sync.py" in r.stderr
     subprocess.run(cmd, check=True, capture_output=True)
     assert sync.rayservice_applications(rs.read_text()) == apps  # no num_gpus knob: unchanged
     assert yaml.safe_load(gpu.read_text())["http_options"]["host"] == "0.0.0.0"
+    assert yaml.safe_load(zero.read_text())["http_options"]["host"] == "0.0.0.0"
     assert subprocess.run(cmd + ["--check"], capture_output=True).returncode == 0
+
+
+def test_the_zero_config_scales_to_zero_from_object_storage():
+    cfg = yaml.safe_load((ROOT / "serve_config.zero.yaml").read_text())
+    (app,) = cfg["applications"]
+    assert app["args"]["model"].startswith("s3://")
+    assert "COLDSTART_EARLY_WEIGHTS" not in app["runtime_env"]["env_vars"]
+    auto = next(d for d in app["deployments"] if d["name"] == "LLMDeployment")["autoscaling_config"]
+    assert auto["min_replicas"] == auto["initial_replicas"] == 0 and auto["downscale_to_zero_delay_s"] > 0
 
 
 def test_rayservice_gpu_workers_and_weights_volume():

@@ -187,6 +187,12 @@ def test_scale_from_zero_to_two_nodes_and_back_with_no_request_lost(world, tmp_p
     assert len(held) == 2, held  # two nodes hold it now
     size = (model / "model.cst").stat().st_size
     assert www.stats()["sent"]["scale/model.cst"] < 1.5 * size  # the second node's copy came from the first
+    seen = {}
+    for _ in range(20):  # each replica's /stats says where its weights came from
+        w = httpx.get(f"{base}/stats", timeout=30).json()
+        seen[w["replica"]] = w["weights"]
+    if len(seen) == 2:
+        assert sorted(uri in v.get("bytes_from", {}) for v in seen.values()) == [False, True], seen
     _wait(lambda: _replicas("scale") == 0, 120, "scale back to zero")
     again = _generate(base)
     assert again.status_code == 200 and again.json()["token_ids"] == first.json()["token_ids"]

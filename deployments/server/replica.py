@@ -136,7 +136,8 @@ class LLMServer:
                 "constructor_started_at": self.started_at, "warm_at": self.warm_at,
                 "engine": (engine := self.engine.stats()), **self.metrics.snapshot(),
                 "capacity_ratio": capacity_ratio(engine, self.engine.config.max_slots),
-                **({"ranks": ranks.describe()} if (ranks := self.started.ranks) is not None else {})}
+                **({"ranks": ranks.describe()} if (ranks := self.started.ranks) is not None else {}),
+                **({"weights": self.started.transfer} if self.started.transfer is not None else {})}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom autoscaling metrics, every ``metrics_interval_s``: the share of its

@@ -60,6 +60,7 @@ class Started:
     loaded: LoadedModel
     ranks: Ranks | None  # a tensor-parallel replica's other ranks
     finish: Callable[..., None]  # ``Start.finish``, after the first warm-up
+    transfer: dict | None = None  # a remote model: where its bytes came from (``Start.resolve``)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Start:
         self.rank, self.tp, self.leader = rank, args.tp, rank == 0
         self.remote = args.is_remote()
         self.fetch: Fetch | None = None  # a remote model's transfer into this node's cache
+        self.transfer: dict | None = None  # what /stats says of it (``resolve``)
         self._set_path(None if self.remote else args.model_path())
         self.rendezvous = rendezvous  # tcp://host:port of rank 0's process-group store (tp > 1)
         self.ranks: Ranks | None = None  # rank 0: the other ranks
@@ -152,7 +154,7 @@ class Start:
         made = (self.engine, self.tokenizer, self.model, self.device, self.loaded)
         if not self.leader or any(x is None for x in made):
             raise RuntimeError("Start.started(): the start has not run to its end on rank 0")
-        return Started(*made, self.ranks, self.finish)
+        return Started(*made, self.ranks, self.finish, self.transfer)
 
     def finish(self, warm: bool) -> None:
         """After the first warm-up: what the start made lives as long as the process, so it is
@@ -193,12 +195,16 @@ class Start:
         got = resolve(self.args.model, cache, rank=self.rank if self.tp > 1 else None, peers=peers)
         if isinstance(got, Fetch):
             self.fetch = got
+            # bytes by source and the sources dropped, as the transfer goes on (the dicts themselves)
+            self.transfer = {"model": self.args.model, "cache_entry": str(got.entry),
+                             "bytes_from": got.stats.bytes_from, "dropped": got.stats.dropped}
             if peers is not None:
                 got.start = peers.start_piece(len(got.pieces(self.opts.cold_read_bytes)))
             log.info("%s: not on this node; fetching %.2f GB into %s", self.args.model,
                      got.packed.file_bytes / 1e9, got.entry)
             self._set_path(got.entry)
         else:
+            self.transfer = {"model": self.args.model, "cache_entry": str(got), "node_copy": True}
             self._set_path(got)
 
     def imports(self) -> None:
