@@ -250,3 +250,30 @@ def test_on_a_gpu_the_bytes_stream_into_the_device_and_the_cache_in_one_pass(ser
     with pytest.raises(RemoteError, match="checksum mismatch"):
         load(f"{served.url}/tiny", "cuda", cache=NodeCache(tmp_path / "other"))
     assert not list((tmp_path / "other").rglob("model.cst")) and not no_partials(tmp_path / "other")
+
+
+def test_a_refused_credential_names_the_source_never_the_secret(chunked, tmp_path, monkeypatch):
+    """moto with its IAM checks on: the right key reads, a wrong secret gets the server's 403."""
+    import json
+    import urllib.request
+
+    import boto3
+    with s3_server(tmp_path / "moto.log") as url:
+        make_bucket("locked")
+        push(chunked, "s3://locked/tiny")
+        iam = boto3.client("iam", endpoint_url=url)
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset-auth", data=b"0", method="POST",
+                                                      headers={"Content-Type": "text/plain"})).close()
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-42")
+        cache = NodeCache(tmp_path / "cache")
+        with pytest.raises(RemoteError, match=r"s3://locked/tiny/model.cst: HEAD failed.*credentials were refused") as e:
+            load("s3://locked/tiny", "cpu", cache=cache)
+        assert "not-the-secret-42" not in str(e.value) and key["SecretAccessKey"] not in str(e.value)
+        assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        assert _same(load("s3://locked/tiny", "cpu", cache=cache), load(chunked, "cpu"))
