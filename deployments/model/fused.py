@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def adjacent_view(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -55,6 +56,8 @@ def fuse_projections(model: Any) -> int:
     n = 0
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
+        if not all(isinstance(p, nn.Linear) for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)):
+            continue  # a quantized layer's product is its scheme's (deployments.model.quant), one per projection
         a.qkv_w = adjacent_view([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         if a.qkv_w is not None:
             a.qkv_b = _bias([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])

@@ -22,7 +22,7 @@ DEMO_DIR = Path("weights/demo")
 def _cmd_pack(a: argparse.Namespace) -> int:
     from weights import PackOptions, pack
     opts = PackOptions(dtype=a.dtype, force=a.force, chunk_bytes=a.chunk_mib << 20,
-                       progress=not a.quiet, tp=a.tp)
+                       progress=not a.quiet, tp=a.tp, quantize=a.quantize)
     dest = pack(a.src, a.dest, opts)
     _print_packed(dest, "packed", opts.tp)
     return 0
@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="split over N tensor-parallel ranks: DEST/rank-K/model.cst for each rank K")
+    p.add_argument("--quantize", choices=["fp8"],
+                   help="fp8: store every layer's projection weights as float8_e4m3fn with one scale per output "
+                        "channel (from an fp16/bf16/fp32 checkpoint)")
     p.set_defaults(fn=_cmd_pack)
 
     p = sub.add_parser("verify", help="check a packed model's structure and checksums")

@@ -1,0 +1,88 @@
+"""What every quantization scheme's class provides, and the linear layer that holds a scheme's
+tensors (vLLM's ``model_executor/layers/quantization`` pattern: one small class per scheme says
+which tensors a layer holds and which kernel runs it; the decoder's files do not change per
+scheme).
+
+A `QuantLinear` stands where the decoder has an ``nn.Linear``: its parameters are named as the
+checkpoint's tensors (``q_proj.weight`` + ``q_proj.weight_scale``, ``q_proj.qweight`` + ...),
+so the build assigns them as it assigns any other tensor, as views of the loader's one buffer
+(nothing is dequantized ahead: no second copy of the weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weights.quant import QuantScheme
+
+
+class QuantMethod:
+    """One scheme's layers: the tensors each holds (`tensors`), its weight as a plain matrix
+    (`dequantize`, the reference every kernel is tested against) and its product (`apply`)."""
+
+    marker = "weight_scale"  # the tensor whose presence beside a projection says it is quantized
+    optional: tuple[str, ...] = ()  # tensors a checkpoint may leave out
+
+    def __init__(self, scheme: QuantScheme):
+        self.scheme = scheme
+
+    def tensors(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+        """Each tensor of a layer [out_features, in_features]: name -> (shape, allowed dtypes)."""
+        raise NotImplementedError
+
+    def dequantize(self, layer: "QuantLinear", dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight [out_features, in_features] in ``dtype`` (computed in fp32)."""
+        raise NotImplementedError
+
+    def apply(self, layer: "QuantLinear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]: dequantize, then matmul. Used on the CPU
+        and wherever no kernel of the scheme passed its test: a transient copy of one layer's
+        weight, never kept."""
+        return F.linear(x, self.dequantize(layer, x.dtype), bias)
+
+    def check(self, layer: "QuantLinear", name: str) -> None:
+        """Refuse a layer whose tensors have a dtype the scheme does not read (ValueError naming the tensor)."""
+        for t, (_, dtypes) in self.tensors(layer.out_features, layer.in_features).items():
+            p = getattr(layer, t, None)
+            if p is not None and p.dtype not in dtypes:
+                raise ValueError(f"tensor {name}.{t} is {str(p.dtype).removeprefix('torch.')}; "
+                                 f"{self.scheme.describe()} stores it as "
+                                 f"{' or '.join(str(d).removeprefix('torch.') for d in dtypes)}: re-export the checkpoint")
+
+
+class QuantLinear(nn.Module):
+    """A projection whose weight is stored quantized; ``method`` runs it."""
+
+    def __init__(self, method: QuantMethod, in_features: int, out_features: int, bias: bool,
+                 optional: tuple[str, ...] = ()):
+        super().__init__()
+        self.method, self.in_features, self.out_features = method, in_features, out_features
+        for name, (shape, dtypes) in method.tensors(out_features, in_features).items():
+            if name not in optional:
+                self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtypes[0]), requires_grad=False))
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.method.scheme.describe()}"
+
+
+def quantized_projections(model: Any, method: QuantMethod, tensors: dict[str, Any]) -> int:
+    """Replace each of the model's projections whose checkpoint holds ``method.marker`` beside it
+    by a `QuantLinear` (on the model's device, meta in a build); a projection the checkpoint
+    stores plainly (a scheme's ignore list) stays an ``nn.Linear``. Returns how many."""
+    n = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or f"{name}.{method.marker}" not in tensors:
+            continue
+        optional = tuple(t for t in method.optional if f"{name}.{t}" not in tensors)
+        q = QuantLinear(method, mod.in_features, mod.out_features, mod.bias is not None, optional)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, q)
+        n += 1
+    return n

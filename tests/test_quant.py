@@ -1,0 +1,205 @@
+"""Quantized checkpoints (``weights.quant``, ``deployments.model.quant``): each scheme's tensors
+dequantize to the reference's values bit for bit (fp8: compressed-tensors' own decompression),
+the packer keeps them as they are and records the scheme, ``pack --quantize fp8`` makes a
+per-channel fp8 pack, and the native decoder over a quantized pack computes what transformers
+computes with the weights dequantized (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deployments.model import build_model
+from deployments.model.quant import method_for
+from deployments.model.quant.awq import unpack_int4
+from helpers_engine import hf_greedy, hf_model
+from helpers_quant import SCHEMES, pack_nibbles, quantized_checkpoint
+from weights import PackOptions, SourceError, load, pack, read_packed, verify
+from weights.quant import AWQ_ORDER, pack_int4, quantize_fp8, scheme_of
+
+
+def _ct_scheme(strategy: str):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", strategy=strategy))
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+@pytest.mark.parametrize("shape", [(48, 64), (7, 33), (1, 5)])
+def test_fp8_dequantizes_as_compressed_tensors_decompresses(strategy, shape):
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    q, s = quantize_fp8(w, strategy)
+    ref = FloatQuantizationCompressor.decompress({"weight": q, "weight_scale": s}, _ct_scheme(strategy))["weight"]
+    method = method_for(scheme_of({"quantization_config": SCHEMES[f"ct-{strategy}"]}))
+    layer = _layer(method, {"weight": q, "weight_scale": s}, *shape)
+    assert torch.equal(method.dequantize(layer, torch.float32), ref)
+    # the quantiser is compressed-tensors' own: the same bytes from its compressor
+    ct = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": s}, _ct_scheme(strategy))["weight"]
+    assert torch.equal(ct.view(torch.uint8), q.view(torch.uint8))
+
+
+def _layer(method, tensors: dict, N: int, K: int):
+    from deployments.model.quant import QuantLinear
+    layer = QuantLinear(method, K, N, False, tuple(t for t in method.optional if t not in tensors))
+    for k, v in tensors.items():
+        setattr(layer, k, torch.nn.Parameter(v, requires_grad=False))
+    return layer
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "awq", "gptq", "gptq-act-order", "gptq-v2", "fbgemm"])
+@pytest.mark.parametrize("shape", [(64, 96), (40, 72), (8, 40)])  # 72, 40: the last group (or block) partial
+def test_each_scheme_dequantizes_to_the_references_values(scheme, shape):
+    from helpers_quant import quantize_layer
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(shape, generator=gen)
+    stored, want = quantize_layer(w, scheme, gen)
+    method = method_for(scheme_of({"quantization_config": SCHEMES[scheme]}))
+    layer = _layer(method, stored, *shape)
+    assert torch.equal(method.dequantize(layer, torch.float32), want)
+    x = torch.randn(3, shape[1], generator=gen)
+    torch.testing.assert_close(layer(x), x @ want.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_packing_matches_the_nibble_by_nibble_reference():
+    x = torch.randint(0, 16, (16, 24), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    assert torch.equal(pack_int4(x, 0), pack_nibbles(x, along_rows=True))
+    assert torch.equal(pack_int4(x, 1, AWQ_ORDER), pack_nibbles(x, along_rows=False, order=AWQ_ORDER))
+    assert torch.equal(unpack_int4(pack_int4(x, 1, AWQ_ORDER), 1, AWQ_ORDER), x)
+    assert torch.equal(unpack_int4(pack_int4(x, 0), 0), x)
+
+
+CASES = {"llama": dict(attention_bias=True), "mistral": dict(sliding_window=7), "qwen2": {}}
+
+
+def _packed_model(arch: str, scheme: str, tmp_path, **kw):
+    hf, cfg = hf_model(arch, **{**CASES[arch], **kw})
+    src = quantized_checkpoint(hf, cfg, scheme, tmp_path / "hf")
+    dest = pack(src, tmp_path / "packed", PackOptions(progress=False))
+    m = load(dest, "cpu")
+    return hf, m, build_model(m.config, m.tensors)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("arch", list(CASES))
+def test_native_logits_on_a_quantized_pack_match_transformers_dequantized(arch, scheme, tmp_path):
+    """Tolerance: 1e-4 absolute on logits of order 10 (fp32 both sides; the native path
+    multiplies by the dequantized weight, transformers by the same values stored in fp32)."""
+    hf, m, model = _packed_model(arch, scheme, tmp_path)
+    assert m.packed.index.metadata["quantization"] == scheme_of({"quantization_config": SCHEMES[scheme]}).to_json()
+    layer = model.model.layers[0].self_attn.q_proj
+    marker = layer.method.marker
+    # parameters are views of the one loaded buffer: nothing dequantized ahead
+    assert getattr(layer, marker).untyped_storage().data_ptr() == m.buffer.untyped_storage().data_ptr()
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["static", "paged"])
+@pytest.mark.parametrize("arch,scheme", [("llama", "ct-channel"), ("mistral", "awq"), ("qwen2", "gptq-act-order")])
+def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cache, tmp_path):
+    from deployments.engine import Engine, EngineConfig, SamplingParams
+    hf, _, model = _packed_model(arch, scheme, tmp_path)
+    kw = dict(kv_block_size=16) if cache == "paged" else {}
+    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=8, kv_cache=cache, **kw))
+    eng.start()
+    try:
+        prompts = [[3, 5, 7, 11, 13], [9] * 7]
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)) for p in prompts]
+        for p, h in zip(prompts, hs):
+            assert h.result(timeout=120)[0] == hf_greedy(hf, p, 32)
+    finally:
+        eng.shutdown()
+
+
+def test_pack_quantize_fp8_makes_a_per_channel_pack(tmp_path):
+    hf, cfg = hf_model("qwen2")
+    hf.save_pretrained(tmp_path / "hf")
+    dest = pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False, quantize="fp8", dtype="bfloat16"))
+    pf = read_packed(dest)
+    assert pf.index.metadata["quantization"]["strategy"] == "channel"
+    entries = {t.name: t for t in pf.tensors}
+    w = "model.layers.1.mlp.down_proj.weight"
+    assert entries[w].dtype == "float8_e4m3fn" and entries[w[:-6] + "weight_scale"].dtype == "float32"
+    assert entries["model.embed_tokens.weight"].dtype == "bfloat16"  # not a projection: cast, not quantized
+    config = json.loads((dest / "config.json").read_text())
+    assert scheme_of(config).source == "compressed-tensors"
+    assert verify(dest).ok  # the rewritten config.json is the one the index lists
+    m = load(dest, "cpu")
+    q, s = quantize_fp8(hf.get_parameter(w).detach(), "channel")
+    assert torch.equal(m.tensors[w].view(torch.uint8), q.view(torch.uint8)) and torch.equal(m.tensors[w[:-6] + "weight_scale"], s)
+    model = build_model(m.config, m.tensors)
+    with torch.no_grad():  # the fp8 model against transformers over the same dequantized weights
+        for name, p in hf.named_parameters():
+            if name in m.tensors and m.tensors[name].dtype == torch.float8_e4m3fn:
+                p.copy_(m.tensors[name].float() * m.tensors[name[:-6] + "weight_scale"])
+            elif name in m.tensors:
+                p.copy_(m.tensors[name].float())
+        tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+        want = hf(tokens).logits
+        model = model.float()
+        torch.testing.assert_close(model(tokens), want, atol=1e-3, rtol=1e-3)
+    with pytest.raises(SourceError, match="quantized already"):
+        pack(_quantized_src(tmp_path), tmp_path / "p2",
+             PackOptions(progress=False, quantize="fp8"))
+
+
+def _quantized_src(tmp_path):
+    hf, cfg = hf_model("llama")
+    return quantized_checkpoint(hf, cfg, "awq", tmp_path / "awq-src")
+
+
+def test_a_corrupted_scale_is_refused_by_the_checksums(tmp_path):
+    hf, cfg = hf_model("llama")
+    src = quantized_checkpoint(hf, cfg, "ct-channel", tmp_path / "hf")
+    dest = pack(src, tmp_path / "packed", PackOptions(progress=False, chunk_bytes=4096))
+    victim = next(t for t in read_packed(dest).tensors if t.name.endswith("weight_scale"))
+    with open(dest / "model.cst", "r+b") as f:
+        f.seek(4096 + victim.offset + 1)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    report = verify(dest)
+    assert not report.ok and victim.name in report.problems()[0]
+
+
+@pytest.mark.parametrize("q,field", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "quantization_config.version='gemv'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "quantization_config.bits=8"),
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+    ({**SCHEMES["ct-channel"], "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+     "config_groups.g.weights is num_bits=4"),
+])
+def test_an_unsupported_scheme_is_refused_at_pack_naming_the_field(q, field, tmp_path):
+    hf, cfg = hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}))
+    with pytest.raises(SourceError, match=field.replace("[", r"\[").replace("(", r"\(")):
+        pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False))
+
+
+def test_split_packs_of_quantized_checkpoints_are_refused(tmp_path):
+    hf, cfg = hf_model("llama")
+    src = quantized_checkpoint(hf, cfg, "ct-channel", tmp_path / "hf")
+    with pytest.raises(SourceError, match="--tp 2: tensor-parallel packs of quantized checkpoints"):
+        pack(src, tmp_path / "packed", PackOptions(progress=False, tp=2))
+
+
+def test_the_transformers_fallback_refuses_a_quantized_checkpoint_naming_the_scheme():
+    hf, cfg = hf_model("gpt2")
+    with pytest.raises(ValueError, match=r"quantization_config \(quant_method='awq'\) cannot be served through "
+                                         "transformers"):
+        build_model({**cfg, "quantization_config": SCHEMES["awq"]}, {})
+
+
+def test_a_scale_of_the_wrong_dtype_is_refused_naming_the_tensor(tmp_path):
+    hf, cfg = hf_model("llama")
+    src = quantized_checkpoint(hf, cfg, "awq", tmp_path / "hf")
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    tensors = dict(m.tensors)
+    name = "model.layers.0.mlp.up_proj.scales"
+    tensors[name] = tensors[name].to(torch.int16)
+    with pytest.raises(ValueError, match=rf"tensor {name} is int16; .*awq int4 .* stores it as float16"):
+        build_model(m.config, tensors)
