@@ -13,7 +13,7 @@ import torch
 
 from deployments.model import build_model
 from deployments.model.quant import method_for
-from deployments.model.quant.awq import unpack_int4
+from deployments.kernels.quant import unpack_int4
 from helpers_engine import hf_greedy, hf_model
 from helpers_quant import SCHEMES, pack_nibbles, quantized_checkpoint
 from weights import PackOptions, SourceError, load, pack, read_packed, verify

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from deployments.kernels import policy
+from deployments.kernels import quant as quant_kernels
 from deployments.model.config import (NATIVE_ARCHITECTURES, SILU_ACTIVATIONS, ModelConfig, architecture,
                                       native_blockers, unread_fields)
 from deployments.model.fused import fuse_projections
 from deployments.model.llama import Transformer
-from deployments.model.quant import QuantLinear, method_for, quantized_projections
+from deployments.model.quant import QuantLinear, kernel_specs, method_for, quantized_projections
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,10 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                                   one_dtype=all(t.dtype == model.dtype for n, t in model.named_parameters()
                                                 if not _quant_tensor(model, n)))
     model.build_s.update(model.kernels.seconds)
+    if method:
+        method.kernels = quant_kernels.choose(kernel_specs(model), model.dtype, model.device)
+        model.build_s.update(method.kernels.seconds)
+        log.info("quantized layers: %s", method.kernels.describe())
     if cfg.hidden_act not in SILU_ACTIVATIONS:
         log.info("hidden_act=%r: the MLP computes it with torch kernels (the fused SwiGLU kernel is SiLU only)",
                  cfg.hidden_act)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deployments.kernels import quant as quant_kernels
+from deployments.kernels.quant import WeightSpec
 from weights.quant import QuantScheme
 
 
@@ -28,19 +30,30 @@ class QuantMethod:
 
     def __init__(self, scheme: QuantScheme):
         self.scheme = scheme
+        self.kernels = quant_kernels.QuantKernels()  # set by the build (kernels.quant.choose)
 
     def tensors(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
         """Each tensor of a layer [out_features, in_features]: name -> (shape, allowed dtypes)."""
         raise NotImplementedError
 
-    def dequantize(self, layer: "QuantLinear", dtype: torch.dtype) -> torch.Tensor:
-        """The layer's weight [out_features, in_features] in ``dtype`` (computed in fp32)."""
+    def spec(self, layer: "QuantLinear") -> WeightSpec:
+        """The layer's stored tensors as the kernels read them."""
         raise NotImplementedError
 
+    def dequantize(self, layer: "QuantLinear", dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight [out_features, in_features] in ``dtype`` (computed in fp32)."""
+        return quant_kernels.dequantize(self.spec(layer), dtype)
+
     def apply(self, layer: "QuantLinear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features]: dequantize, then matmul. Used on the CPU
-        and wherever no kernel of the scheme passed its test: a transient copy of one layer's
-        weight, never kept."""
+        """x [..., in_features] -> [..., out_features] with the kernel ``self.kernels`` names for
+        this many rows: the weight-only kernel for a decode step's, fp8 tensor cores for wider ones;
+        else (the CPU, a kernel that failed its test) dequantize, then matmul: a transient copy of
+        one layer's weight, never kept."""
+        rows = x.numel() // x.shape[-1]
+        if self.kernels.weight_only and rows <= quant_kernels.WO_MAX_ROWS:
+            return quant_kernels.wo_matmul(x, self.spec(layer), bias)
+        if self.kernels.scaled_mm:
+            return quant_kernels.fp8_scaled_mm(x, self.spec(layer), bias)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
 
     def check(self, layer: "QuantLinear", name: str) -> None:
@@ -86,3 +99,13 @@ def quantized_projections(model: Any, method: QuantMethod, tensors: dict[str, An
         setattr(model.get_submodule(parent), leaf, q)
         n += 1
     return n
+
+
+def kernel_specs(model: Any) -> dict[str, WeightSpec]:
+    """One quantized layer of each distinct shape, by its name: what ``kernels.quant.choose`` tests."""
+    out: dict[tuple, tuple[str, WeightSpec]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            spec = mod.method.spec(mod)
+            out.setdefault((spec.n, spec.k, spec.g_idx is not None), (name, spec))
+    return dict(out.values())

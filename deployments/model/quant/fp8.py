@@ -2,15 +2,17 @@
 compressed-tensors "float-quantized", fbgemm_fp8 and block-wise ``fp8`` checkpoints, and
 ``coldstart pack --quantize fp8`` packs (the source layouts: ``weights.quant``).
 
-Kernels: on the CPU, and wherever no fp8 kernel passed its test, the weight is dequantized into
-the activations' dtype and multiplied (a transient copy of one layer). The scales are not folded
-into the product's columns (``(x @ W8^T) * s``) because fp8 values reach 448: in fp16 the
-unscaled sums of a wide layer can pass 65504."""
+Kernels (``deployments.kernels.quant``): the Triton weight-only matmul for a decode step's rows,
+``torch._scaled_mm`` for wider ones (per-channel and per-tensor scales), else the weight
+dequantized into the activations' dtype and multiplied. The scales are never folded into the
+product's columns instead (``(x @ W8^T) * s``): fp8 values reach 448, and in fp16 the unscaled
+sums of a wide layer can pass 65504."""
 
 from __future__ import annotations
 
 import torch
 
+from deployments.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, WeightSpec
 from deployments.model.quant.base import QuantLinear, QuantMethod
 
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,17 +32,16 @@ class Fp8Method(QuantMethod):
         w = {"weight": ((out_features, in_features), (torch.float8_e4m3fn,))}
         if self.block:
             bn, bk = self.block
-            w["weight_scale_inv"] = ((-(-out_features // bn), -(-in_features // bk)), (torch.float32,) + _SCALE_DTYPES[1:])
+            w["weight_scale_inv"] = ((-(-out_features // bn), -(-in_features // bk)), _SCALE_DTYPES)
         else:
             per_channel = self.scheme.strategy == "channel"
             w["weight_scale"] = ((out_features, 1) if per_channel else (1,), _SCALE_DTYPES)
-        w["input_scale"] = ((1,), _SCALE_DTYPES)
+        w["input_scale"] = ((1,), _SCALE_DTYPES)  # a static activation scale: unread (activations stay unquantized)
         return w
 
-    def dequantize(self, layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
-        w = layer.weight.float()
+    def spec(self, layer: QuantLinear) -> WeightSpec:
         if self.block:
-            bn, bk = self.block
-            s = layer.weight_scale_inv.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-            return (w * s[: w.shape[0], : w.shape[1]]).to(dtype)
-        return (w * layer.weight_scale.float().reshape(-1, 1)).to(dtype)
+            return WeightSpec(FP8_BLOCK, layer.out_features, layer.in_features, layer.weight, layer.weight_scale_inv,
+                              block=self.block)
+        scheme = FP8_CHANNEL if layer.weight_scale.numel() > 1 else FP8_TENSOR
+        return WeightSpec(scheme, layer.out_features, layer.in_features, layer.weight, layer.weight_scale)
