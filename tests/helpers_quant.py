@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from conftest import write_safetensors
-from weights.quant import int4_groups, quantize_fp8, quantize_fp8_block
+from weights.quantize import int4_groups, quantize_fp8, quantize_fp8_block
 
 CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {

@@ -17,7 +17,8 @@ from deployments.kernels.quant import unpack_int4
 from helpers_engine import hf_greedy, hf_model
 from helpers_quant import SCHEMES, pack_nibbles, quantized_checkpoint
 from weights import PackOptions, SourceError, load, pack, read_packed, verify
-from weights.quant import AWQ_ORDER, pack_int4, quantize_fp8, scheme_of
+from weights.quant import AWQ_ORDER, scheme_of
+from weights.quantize import pack_int4, quantize_fp8
 
 
 def _ct_scheme(strategy: str):
@@ -178,13 +179,6 @@ def test_an_unsupported_scheme_is_refused_at_pack_naming_the_field(q, field, tmp
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}))
     with pytest.raises(SourceError, match=field.replace("[", r"\[").replace("(", r"\(")):
         pack(tmp_path / "hf", tmp_path / "packed", PackOptions(progress=False))
-
-
-def test_split_packs_of_quantized_checkpoints_are_refused(tmp_path):
-    hf, cfg = hf_model("llama")
-    src = quantized_checkpoint(hf, cfg, "ct-channel", tmp_path / "hf")
-    with pytest.raises(SourceError, match="--tp 2: tensor-parallel packs of quantized checkpoints"):
-        pack(src, tmp_path / "packed", PackOptions(progress=False, tp=2))
 
 
 def test_the_transformers_fallback_refuses_a_quantized_checkpoint_naming_the_scheme():

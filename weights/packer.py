@@ -33,7 +33,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from . import checksum, publish, quant
+from . import checksum, publish, quant, quantize
 from . import tp as tensor_parallel
 from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, PREAMBLE_BYTES, SIDE_FILES,
                      TP_MANIFEST, WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
@@ -146,7 +146,7 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
             raise SourceError(f"{src}: the weight files hold no tensors")
         stream = iter_tensors(files, handles, skip=set(aliases))
         if opts.quantize:
-            metas, stream = quant.fp8_metas(metas), quant.fp8_stream(stream)
+            metas, stream = quantize.fp8_metas(metas), quantize.fp8_stream(stream)
         return write_pack(src, dest, metas, stream, aliases, opts)
     finally:
         for h in handles:
@@ -187,8 +187,8 @@ def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: T
 
 def _scheme(src: Path, opts: PackOptions) -> "quant.QuantScheme | None":
     """The pack's quantization scheme (recorded in its index): the source's, or --quantize's.
-    SourceError naming the field for a scheme the decoder does not run, for --quantize of a
-    quantized source, and for a split of a quantized model."""
+    SourceError naming the field for a scheme the decoder does not run, and for --quantize of a
+    quantized source."""
     config = read_json(src / "config.json", "fix it, or re-download the model")
     try:
         scheme = quant.scheme_of(config)
@@ -199,9 +199,6 @@ def _scheme(src: Path, opts: PackOptions) -> "quant.QuantScheme | None":
                           f"({scheme.describe()}); pack it without --quantize")
     if opts.quantize:
         scheme = quant.scheme_of(quant.fp8_config(config))
-    if scheme and opts.tp > 1:
-        raise SourceError(f"{src}: --tp {opts.tp}: tensor-parallel packs of quantized checkpoints "
-                          f"({scheme.describe()}) are not supported; pack it without --tp")
     return scheme
 
 
