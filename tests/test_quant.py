@@ -197,3 +197,19 @@ def test_a_scale_of_the_wrong_dtype_is_refused_naming_the_tensor(tmp_path):
     tensors[name] = tensors[name].to(torch.int16)
     with pytest.raises(ValueError, match=rf"tensor {name} is int16; .*awq int4 .* stores it as float16"):
         build_model(m.config, tensors)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-tensor", "fbgemm-fp8", "fp8-block", "awq", "gptq", "gptq-act-order"])
+def test_demo_writes_a_random_checkpoint_in_each_format_that_packs_and_serves(fmt, tmp_path):
+    from weights import make_demo
+    from weights.quantize import DEMO_FORMATS
+    src = make_demo(tmp_path / "hf", "tiny", quant=fmt)
+    assert json.loads((src / "config.json").read_text())["quantization_config"] == DEMO_FORMATS[fmt]
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    assert m.packed.index.metadata["quantization"]["source"] == DEMO_FORMATS[fmt]["quant_method"]
+    model = build_model(m.config, m.tensors)
+    layer = model.model.layers[0].mlp.down_proj
+    w = layer.method.dequantize(layer, torch.float32)
+    assert 0.01 < w.std().item() < 0.04  # spread like the plain demo's normal(0, 0.02)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 9, 13]]))).all()

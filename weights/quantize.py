@@ -102,3 +102,76 @@ def fp8_stream(tensors: Any) -> Any:
             yield name[: -len("weight")] + "weight_scale", scale, file
         else:
             yield name, t, file
+
+
+# --- `coldstart demo --quant FORMAT`: random checkpoints in each format, for GPU benchmarks ------------
+
+_FP8_CT = {"quant_method": "compressed-tensors", "format": "float-quantized",
+           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+               "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}},
+           "ignore": ["lm_head"]}
+DEMO_FORMATS: dict[str, dict] = {
+    "fp8": _FP8_CT,
+    "fp8-tensor": {**_FP8_CT, "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}}}},
+    "fbgemm-fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": ["lm_head"]},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": [128, 128]},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},
+}
+_STD = 0.02  # the dequantized weights' spread, as the plain demo's normal(0, 0.02)
+
+
+def demo_specs(specs: list[tuple[str, tuple[int, ...]]], fmt: str, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of each tensor of a ``fmt`` checkpoint with the plain one's ``specs``:
+    each projection weight replaced by the format's tensors (``weights.quant``'s layouts)."""
+    from .quant import scheme_of
+
+    sch = scheme_of({"quantization_config": DEMO_FORMATS[fmt]})
+    out = []
+    for name, shape in specs:
+        if not is_projection_weight(name, shape):
+            out.append((name, shape, dtype))
+            continue
+        base, (N, K) = name[: -len("weight")], shape
+        if sch.method == "fp8":
+            out.append((name, shape, "float8_e4m3fn"))
+            if sch.block:
+                out.append((base + "weight_scale_inv", (-(-N // sch.block[0]), -(-K // sch.block[1])), "float32"))
+            else:
+                out.append((base + "weight_scale", (N, 1) if sch.strategy == "channel" else (1,), "float32"))
+            continue
+        groups = -(-K // sch.group_size)
+        qweight = (K, N // 8) if sch.method == "awq" else (K // 8, N)
+        out += [(base + "qweight", qweight, "int32"), (base + "qzeros", (groups, N // 8), "int32"),
+                (base + "scales", (groups, N), "float16")]
+        if sch.method == "gptq":
+            out.append((base + "g_idx", (K,), "int32"))
+    return out
+
+
+def demo_tensor(name: str, shape: tuple[int, ...], dtype: str, fmt: str, device: torch.device,
+                gen: torch.Generator) -> torch.Tensor:
+    """One random tensor of a ``fmt`` checkpoint's quantized projection (its dequantized weights
+    spread like the plain demo's): fp8 values of about +-64 with scales 0.02 / 64; int4 words of
+    random nibbles around zero points of 8, scales 0.02 / 4.6 (a uniform nibble's spread)."""
+    suffix = name.rsplit(".", 1)[1]
+    if dtype == "float8_e4m3fn":
+        return (torch.randn(shape, device=device, generator=gen) * 64).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if suffix in ("weight_scale", "weight_scale_inv"):
+        return torch.full(shape, _STD / 64, device=device)
+    if suffix == "qweight":
+        return torch.randint(-2**31, 2**31, shape, device=device, generator=gen, dtype=torch.int64).to(torch.int32)
+    if suffix == "qzeros":  # zero point 8 in every nibble (GPTQ's "gptq" format stores 7: zero - 1)
+        word = 0x77777777 if DEMO_FORMATS[fmt]["quant_method"] == "gptq" else 0x88888888 - 2**32
+        return torch.full(shape, word, dtype=torch.int32, device=device)
+    if suffix == "scales":
+        return torch.full(shape, _STD / 4.6, dtype=torch.float16, device=device)
+    if suffix == "g_idx":
+        group = DEMO_FORMATS[fmt]["group_size"]
+        if DEMO_FORMATS[fmt].get("desc_act"):
+            return (torch.randperm(shape[0], device=device, generator=gen) // group).to(torch.int32)
+        return (torch.arange(shape[0], device=device) // group).to(torch.int32)
+    raise ValueError(f"demo_tensor: {name!r} is not a tensor of a {fmt} projection")

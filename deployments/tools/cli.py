@@ -73,8 +73,10 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 def _cmd_demo(a: argparse.Namespace) -> int:
     from weights import make_demo
-    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force, layers=a.layers, tp=a.tp)
+    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force, layers=a.layers, tp=a.tp,
+                     quant=a.quant)
     layers = f" ({a.layers} layers)" if a.layers else ""
+    layers += f", {a.quant}" if a.quant else ""
     if a.tp > 1:
         _print_packed(dest, f"wrote a random {a.shape}{layers} model, packed:", a.tp)
     else:
@@ -376,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="write the model packed and split over N tensor-parallel ranks (as `pack --tp N` of "
                         "the checkpoint), not the checkpoint")
+    from weights.quantize import DEMO_FORMATS
+    p.add_argument("--quant", choices=list(DEMO_FORMATS),
+                   help="write the checkpoint quantized in this format (random weights in its layout)")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("serve", help="`serve run` the config (making the demo model if it serves the demo)")
