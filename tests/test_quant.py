@@ -99,7 +99,9 @@ def test_native_logits_on_a_quantized_pack_match_transformers_dequantized(arch, 
 
 
 @pytest.mark.parametrize("cache", ["static", "paged"])
-@pytest.mark.parametrize("arch,scheme", [("llama", "ct-channel"), ("mistral", "awq"), ("qwen2", "gptq-act-order")])
+@pytest.mark.parametrize("arch,scheme", [("llama", "ct-channel"), ("mistral", "awq"), ("qwen2", "gptq-act-order"),
+                                         ("llama", "ct-tensor"), ("mistral", "fp8-block"), ("qwen2", "fbgemm"),
+                                         ("llama", "gptq"), ("mistral", "gptq-v2")])
 def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cache, tmp_path):
     from deployments.engine import Engine, EngineConfig, SamplingParams
     hf, _, model = _packed_model(arch, scheme, tmp_path)
@@ -113,6 +115,25 @@ def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cach
             assert h.result(timeout=120)[0] == hf_greedy(hf, p, 32)
     finally:
         eng.shutdown()
+
+
+def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(tmp_path):
+    """A scheme's ignore list: the checkpoint stores those projections plainly (no scale beside them)."""
+    hf, cfg = hf_model("llama")
+    src = quantized_checkpoint(hf, cfg, "ct-channel", tmp_path / "hf")
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(src / "model.safetensors")
+    base = "model.layers.0.mlp.down_proj."
+    del tensors[base + "weight_scale"]
+    tensors[base + "weight"] = hf.get_parameter(base + "weight").detach().clone()  # its dequantized values, fp32
+    save_file(tensors, src / "model.safetensors")
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    assert not isinstance(model.model.layers[1].mlp.down_proj, torch.nn.Linear)
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_pack_quantize_fp8_makes_a_per_channel_pack(tmp_path):
@@ -213,3 +234,16 @@ def test_demo_writes_a_random_checkpoint_in_each_format_that_packs_and_serves(fm
     assert 0.01 < w.std().item() < 0.04  # spread like the plain demo's normal(0, 0.02)
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 5, 9, 13]]))).all()
+
+
+def test_the_cli_packs_with_quantize_and_pack_and_verify_name_the_scheme(tmp_path, capsys):
+    from deployments.tools.cli import main as cli
+    hf, _ = hf_model("mistral")
+    hf.save_pretrained(tmp_path / "hf")
+    assert cli(["pack", str(tmp_path / "hf"), str(tmp_path / "p"), "--quantize", "fp8", "-q"]) == 0
+    assert "GB, compressed-tensors fp8 (per-channel scales), into" in capsys.readouterr().out
+    assert cli(["verify", str(tmp_path / "p"), "-q"]) == 0
+    assert "compressed-tensors fp8 (per-channel scales)" in capsys.readouterr().out
+    src = quantized_checkpoint(*hf_model("llama", **{"intermediate_size": 128}), "gptq", tmp_path / "gptq")
+    assert cli(["pack", str(src), str(tmp_path / "g"), "--tp", "2", "-q"]) == 0
+    assert "per rank, gptq int4 (group 32, symmetric), into" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import torch
 
 from deployments.kernels import quant as qk
 from deployments.model.quant import QuantLinear, method_for
+from conftest import gpu
 from helpers_kernels import TOL
 from helpers_quant import SCHEMES, quantize_layer
 from weights.quant import scheme_of
@@ -136,3 +137,45 @@ def test_interp_engine_on_a_quantized_pack_gives_transformers_greedy_tokens(inte
             assert h.result(timeout=300)[0] == hf_greedy(hf, p, 10)
     finally:
         eng.shutdown()
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+def _cuda_spec(scheme: str, N: int, K: int) -> qk.WeightSpec:
+    spec = _spec(scheme, N, K)
+    for f in ("q", "s", "z", "g_idx"):
+        if getattr(spec, f) is not None:
+            setattr(spec, f, getattr(spec, f).cuda())
+    return spec
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq", "gptq-act-order"])
+@pytest.mark.parametrize("M", [1, 7, 64])
+def test_gpu_wo_matmul_matches_the_reference_and_replays_in_a_graph(scheme, M, dtype):
+    from deployments.kernels import ops
+    if INTERPRETED or not ops.available("cuda"):
+        pytest.skip("compiled Triton kernels are not available in this process")
+    spec = _cuda_spec(scheme, 4096 if scheme != "fp8-block" else 4096, 4096)
+    x = torch.randn(M, 4096, device="cuda").to(dtype)
+    want = qk._ref_wo_matmul(x.float(), spec, None)
+    got = qk.wo_matmul(x, spec)
+    assert qk._relative_error(got, want) < 2e-2
+    from deployments.kernels.policy import capture_graph
+    graph = capture_graph(lambda: qk.wo_matmul(x, spec), "cuda")
+    graph.replay()
+    torch.cuda.synchronize()
+
+
+@gpu
+def test_gpu_choose_keeps_the_kernels_that_pass_on_the_models_layers():
+    if INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1")
+    specs = {"q": _cuda_spec("ct-channel", 4096, 4096), "down": _cuda_spec("ct-channel", 4096, 11008)}
+    plan = qk.choose(specs, torch.bfloat16, torch.device("cuda"))
+    assert plan.weight_only
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert plan.scaled_mm
+        x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
+        assert qk._relative_error(qk.fp8_scaled_mm(x, specs["q"]), qk._ref_wo_matmul(x, specs["q"], None)) < 6e-2

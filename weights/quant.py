@@ -80,6 +80,11 @@ class QuantScheme:
         d["block"] = list(self.block) if self.block else None
         return d
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "QuantScheme":
+        """The inverse of `to_json` (a packed file's ``metadata["quantization"]``)."""
+        return cls(**{**d, "block": tuple(d["block"]) if d.get("block") else None})
+
     def describe(self) -> str:
         if self.method == "fp8":
             what = f"{self.block[0]}x{self.block[1]} blocks" if self.block else f"per-{self.strategy} scales"
@@ -190,3 +195,9 @@ def fp8_config(config: Mapping[str, Any]) -> dict:
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}},
         "ignore": ["lm_head"]}}
+
+
+def describe_packed(metadata: Mapping[str, Any]) -> str:
+    """", <scheme>" for a packed file's index metadata that records a quantization, else ""."""
+    q = metadata.get("quantization")
+    return f", {QuantScheme.from_json(q).describe()}" if q else ""

@@ -30,19 +30,21 @@ def _cmd_pack(a: argparse.Namespace) -> int:
 
 def _print_packed(dest: Path, what: str, tp: int) -> None:
     from weights import read_packed
+    from weights.quant import describe_packed
     if tp == 1:
         pf = read_packed(dest)
-        print(f"{what} {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
-              f"(digest {pf.digest[:16]})")
+        print(f"{what} {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB{describe_packed(pf.index.metadata)}, "
+              f"into {dest} (digest {pf.digest[:16]})")
         return
     from weights.tp import rank_path
     pfs = [read_packed(rank_path(dest, k)) for k in range(tp)]
     print(f"{what} {len(pfs[0].tensors)} tensors split over {tp} ranks, {pfs[0].data_bytes / 1e9:.3f} GB per "
-          f"rank, into {dest}/rank-0 ... rank-{tp - 1} (digests {', '.join(pf.digest[:16] for pf in pfs)})")
+          f"rank{describe_packed(pfs[0].index.metadata)}, into {dest}/rank-0 ... rank-{tp - 1} (digests {', '.join(pf.digest[:16] for pf in pfs)})")
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
     from weights import verify
+    from weights.quant import describe_packed
     bar = None
     if sys.stderr.isatty() and not a.quiet:
         from tqdm import tqdm
@@ -66,8 +68,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     for r in getattr(report, "ranks", [report]):  # a split pack's: one line per rank
         pf = r.packed
         rank = f"rank {pf.tp['rank']} of {pf.tp['size']}, " if pf.tp else ""
-        print(f"ok: {pf.path} ({rank}{len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
-              f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
+        print(f"ok: {pf.path} ({rank}{len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB"
+              f"{describe_packed(pf.index.metadata)}, {len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
     return 0
 
 
