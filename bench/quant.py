@@ -53,7 +53,8 @@ def packs(a: argparse.Namespace) -> dict[str, Path]:
                       quant=None if fmt.startswith("fp16") else fmt)
         if not (dest / "model.cst").exists():
             t0 = time.perf_counter()
-            pack(src, dest, PackOptions(force=True, progress=False, quantize="fp8" if fmt == "fp16-quantize-fp8" else None))
+            quantize = "fp8" if fmt == "fp16-quantize-fp8" else None
+            pack(src, dest, PackOptions(force=True, progress=False, quantize=quantize))
             print(f"packed {fmt} in {time.perf_counter() - t0:.1f} s", flush=True)
         out[fmt] = dest
     return out
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     if bad:
         ap.error(f"--formats: {', '.join(bad)} unknown; choose from {', '.join(DEMO_FORMATS)}")
     import torch
-    res: dict = {"host": platform.node(), "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    res: dict = {"host": platform.node(), "commit": _commit(),
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
                  "torch": torch.__version__, "shape": a.shape, "layers": a.layers, "rows": []}
     for fmt, dest in packs(a).items():

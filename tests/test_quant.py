@@ -151,7 +151,8 @@ def test_pack_quantize_fp8_makes_a_per_channel_pack(tmp_path):
     assert verify(dest).ok  # the rewritten config.json is the one the index lists
     m = load(dest, "cpu")
     q, s = quantize_fp8(hf.get_parameter(w).detach(), "channel")
-    assert torch.equal(m.tensors[w].view(torch.uint8), q.view(torch.uint8)) and torch.equal(m.tensors[w[:-6] + "weight_scale"], s)
+    assert torch.equal(m.tensors[w].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(m.tensors[w[:-6] + "weight_scale"], s)
     model = build_model(m.config, m.tensors)
     with torch.no_grad():  # the fp8 model against transformers over the same dequantized weights
         for name, p in hf.named_parameters():

@@ -124,7 +124,8 @@ DEMO_FORMATS: dict[str, dict] = {
 _STD = 0.02  # the dequantized weights' spread, as the plain demo's normal(0, 0.02)
 
 
-def demo_specs(specs: list[tuple[str, tuple[int, ...]]], fmt: str, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+def demo_specs(specs: list[tuple[str, tuple[int, ...]]], fmt: str, dtype: str
+               ) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of each tensor of a ``fmt`` checkpoint with the plain one's ``specs``:
     each projection weight replaced by the format's tensors (``weights.quant``'s layouts)."""
     from .quant import scheme_of

@@ -39,7 +39,8 @@ def _print_packed(dest: Path, what: str, tp: int) -> None:
     from weights.tp import rank_path
     pfs = [read_packed(rank_path(dest, k)) for k in range(tp)]
     print(f"{what} {len(pfs[0].tensors)} tensors split over {tp} ranks, {pfs[0].data_bytes / 1e9:.3f} GB per "
-          f"rank{describe_packed(pfs[0].index.metadata)}, into {dest}/rank-0 ... rank-{tp - 1} (digests {', '.join(pf.digest[:16] for pf in pfs)})")
+          f"rank{describe_packed(pfs[0].index.metadata)}, into {dest}/rank-0 ... rank-{tp - 1} "
+          f"(digests {', '.join(pf.digest[:16] for pf in pfs)})")
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:

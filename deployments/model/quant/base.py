@@ -32,7 +32,8 @@ class QuantMethod:
         self.scheme = scheme
         self.kernels = quant_kernels.QuantKernels()  # set by the build (kernels.quant.choose)
 
-    def tensors(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
+    def tensors(self, out_features: int, in_features: int
+                ) -> dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]]:
         """Each tensor of a layer [out_features, in_features]: name -> (shape, allowed dtypes)."""
         raise NotImplementedError
 
@@ -61,9 +62,9 @@ class QuantMethod:
         for t, (_, dtypes) in self.tensors(layer.out_features, layer.in_features).items():
             p = getattr(layer, t, None)
             if p is not None and p.dtype not in dtypes:
+                want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
                 raise ValueError(f"tensor {name}.{t} is {str(p.dtype).removeprefix('torch.')}; "
-                                 f"{self.scheme.describe()} stores it as "
-                                 f"{' or '.join(str(d).removeprefix('torch.') for d in dtypes)}: re-export the checkpoint")
+                                 f"{self.scheme.describe()} stores it as {want}: re-export the checkpoint")
 
 
 class QuantLinear(nn.Module):
