@@ -98,42 +98,57 @@ def test_native_logits_on_a_quantized_pack_match_transformers_dequantized(arch, 
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache", ["static", "paged"])
-@pytest.mark.parametrize("arch,scheme", [("llama", "ct-channel"), ("mistral", "awq"), ("qwen2", "gptq-act-order"),
-                                         ("llama", "ct-tensor"), ("mistral", "fp8-block"), ("qwen2", "fbgemm"),
-                                         ("llama", "gptq"), ("mistral", "gptq-v2")])
-def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cache, tmp_path):
+def _engine_greedy(model, hf, cache: str, steps: int = 32) -> None:
     from deployments.engine import Engine, EngineConfig, SamplingParams
-    hf, _, model = _packed_model(arch, scheme, tmp_path)
     kw = dict(kv_block_size=16) if cache == "paged" else {}
     eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=8, kv_cache=cache, **kw))
     eng.start()
     try:
         prompts = [[3, 5, 7, 11, 13], [9] * 7]
-        hs = [eng.submit(p, SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)) for p in prompts]
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)) for p in prompts]
         for p, h in zip(prompts, hs):
-            assert h.result(timeout=120)[0] == hf_greedy(hf, p, 32)
+            assert h.result(timeout=120)[0] == hf_greedy(hf, p, steps)
     finally:
         eng.shutdown()
 
 
-def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(tmp_path):
-    """A scheme's ignore list: the checkpoint stores those projections plainly (no scale beside them)."""
+@pytest.mark.parametrize("cache", ["static", "paged"])
+@pytest.mark.parametrize("arch,scheme", [("llama", "ct-channel"), ("mistral", "awq"), ("qwen2", "gptq-act-order"),
+                                         ("llama", "ct-tensor"), ("mistral", "fp8-block"), ("qwen2", "fbgemm"),
+                                         ("llama", "gptq"), ("mistral", "gptq-v2")])
+def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cache, tmp_path):
+    hf, _, model = _packed_model(arch, scheme, tmp_path)
+    _engine_greedy(model, hf, cache)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(fused, tmp_path):
+    """A scheme's ignore list: the checkpoint stores those projections plainly (no scale beside them).
+    Layer 0 keeps only its o_proj quantized: the fused path (kernels' torch references on the CPU)
+    must not multiply o_proj's stored weight as a plain matrix."""
+    from deployments.kernels.policy import KernelPlan
     hf, cfg = hf_model("llama")
-    src = quantized_checkpoint(hf, cfg, "ct-channel", tmp_path / "hf")
+    src = quantized_checkpoint(hf, cfg, "awq", tmp_path / "hf")
     from safetensors.torch import load_file, save_file
     tensors = load_file(src / "model.safetensors")
-    base = "model.layers.0.mlp.down_proj."
-    del tensors[base + "weight_scale"]
-    tensors[base + "weight"] = hf.get_parameter(base + "weight").detach().clone()  # its dequantized values, fp32
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj"):
+        base = f"model.layers.0.{proj}."
+        for t in ("qweight", "qzeros", "scales"):
+            del tensors[base + t]
+        tensors[base + "weight"] = hf.get_parameter(base + "weight").detach().clone()  # dequantized values, fp32
     save_file(tensors, src / "model.safetensors")
     m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
     model = build_model(m.config, m.tensors)
-    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
-    assert not isinstance(model.model.layers[1].mlp.down_proj, torch.nn.Linear)
+    layer0 = model.model.layers[0]
+    assert isinstance(layer0.mlp.down_proj, torch.nn.Linear) and not isinstance(layer0.self_attn.o_proj, torch.nn.Linear)
+    assert layer0.self_attn.qkv_w is None and layer0.mlp.gate_up_w is None
+    if fused:
+        model.kernels = KernelPlan(fused=True)
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    _engine_greedy(model, hf, "paged")
 
 
 def test_pack_quantize_fp8_makes_a_per_channel_pack(tmp_path):

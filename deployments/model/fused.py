@@ -56,8 +56,11 @@ def fuse_projections(model: Any) -> int:
     n = 0
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        if not all(isinstance(p, nn.Linear) for p in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)):
-            continue  # a quantized layer's product is its scheme's (deployments.model.quant), one per projection
+        if not all(isinstance(p, nn.Linear) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj,
+                                                       m.up_proj, m.down_proj)):
+            # a quantized projection's product is its scheme's (deployments.model.quant); the fused paths
+            # multiply o_proj's and down_proj's weights directly, so a layer with any quantized one has none
+            continue
         a.qkv_w = adjacent_view([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
         if a.qkv_w is not None:
             a.qkv_b = _bias([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
