@@ -141,7 +141,8 @@ def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(fused, tmp
     m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
     model = build_model(m.config, m.tensors)
     layer0 = model.model.layers[0]
-    assert isinstance(layer0.mlp.down_proj, torch.nn.Linear) and not isinstance(layer0.self_attn.o_proj, torch.nn.Linear)
+    assert isinstance(layer0.mlp.down_proj, torch.nn.Linear)
+    assert not isinstance(layer0.self_attn.o_proj, torch.nn.Linear)
     assert layer0.self_attn.qkv_w is None and layer0.mlp.gate_up_w is None
     if fused:
         model.kernels = KernelPlan(fused=True)
