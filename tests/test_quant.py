@@ -90,6 +90,9 @@ def test_native_logits_on_a_quantized_pack_match_transformers_dequantized(arch, 
     hf, m, model = _packed_model(arch, scheme, tmp_path)
     assert m.packed.index.metadata["quantization"] == scheme_of({"quantization_config": SCHEMES[scheme]}).to_json()
     layer = model.model.layers[0].self_attn.q_proj
+    assert layer.method.dequant_bytes in (8, 16)
+    # the engine's reserve covers the dequantize path's copy of the widest layer (gate/up: 96 x 64)
+    assert model.transient_weight_bytes == 96 * 64 * (layer.method.dequant_bytes + 4)
     marker = layer.method.marker
     # parameters are views of the one loaded buffer: nothing dequantized ahead
     assert getattr(layer, marker).untyped_storage().data_ptr() == m.buffer.untyped_storage().data_ptr()

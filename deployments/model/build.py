@@ -146,6 +146,9 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                                                 if not _quant_tensor(model, n)))
     model.build_s.update(model.kernels.seconds)
     if method:
+        # the dequantize-then-matmul path's copy of one layer: its fp32 intermediates and the result
+        widest = max(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+        model.transient_weight_bytes = widest * (method.dequant_bytes + model.dtype.itemsize)
         method.kernels = quant_kernels.choose(kernel_specs(model), model.dtype, model.device)
         model.build_s.update(method.kernels.seconds)
         log.info("quantized layers: %s", method.kernels.describe())

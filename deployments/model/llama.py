@@ -122,6 +122,9 @@ class Transformer(nn.Module):
         self.kernels = KernelPlan()  # the Triton kernels it runs on CUDA (set by the build: kernels.policy)
         self.tp: Any = None  # a tensor-parallel rank's deployments.model.tp.TensorParallel (set by the build)
         self.build_s: dict[str, float] = {}  # the build's steps, seconds (assemble, kernel tests, GEMV choice)
+        # bytes a forward may allocate for one layer's weight beside its activations (set by the build: a
+        # quantized layer that dequantizes, then multiplies; deployments.model.quant)
+        self.transient_weight_bytes = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,11 +182,13 @@ class Transformer(nn.Module):
         cache: ``tokens`` rows through a layer (the residual, its norm, q/k/v, the attention's
         output and the MLP's gate, up and product), ``gathered`` cached positions' keys and values
         read back for its attention (a chunk past a prefix), and the head's ``logit_rows`` logits
-        (with their fp32 copy for sampling). Layers run one after another, so one layer's worth."""
+        (with their fp32 copy for sampling), and ``transient_weight_bytes``. Layers run one after
+        another, so one layer's worth."""
         c, size = self.config, self.dtype.itemsize
         kv = c.num_key_value_heads * c.head_dim
         per_token = 4 * c.hidden_size + c.num_attention_heads * c.head_dim + 2 * kv + 3 * c.intermediate_size
-        return (tokens * per_token + gathered * 2 * kv) * size + logit_rows * c.vocab_size * (size + 4)
+        return ((tokens * per_token + gathered * 2 * kv) * size + logit_rows * c.vocab_size * (size + 4)
+                + self.transient_weight_bytes)
 
     def check_paged_kernels(self, cache: PagedKVCache) -> float:
         """Keep the decode kernels whose paged variants pass their test at ``cache``'s geometry

@@ -23,6 +23,7 @@ class AwqMethod(QuantMethod):
     """``qweight`` int32 [K, N/8], ``qzeros`` int32 [K/G, N/8], ``scales`` fp16 [K/G, N]."""
 
     marker = "qweight"
+    dequant_bytes = 16  # nibbles and zero points unpacked (int32), their difference, the scales (fp32)
 
     def tensors(self, out_features: int, in_features: int) -> dict:
         N, K = out_features, in_features

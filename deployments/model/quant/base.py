@@ -27,6 +27,8 @@ class QuantMethod:
 
     marker = "weight_scale"  # the tensor whose presence beside a projection says it is quantized
     optional: tuple[str, ...] = ()  # tensors a checkpoint may leave out
+    # bytes per weight element that `dequantize` holds at once at most (its fp32 / int32 intermediates)
+    dequant_bytes = 8
 
     def __init__(self, scheme: QuantScheme):
         self.scheme = scheme

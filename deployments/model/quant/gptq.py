@@ -19,6 +19,7 @@ class GptqMethod(QuantMethod):
 
     marker = "qweight"
     optional = ("g_idx",)
+    dequant_bytes = 16  # as AWQ's
 
     def tensors(self, out_features: int, in_features: int) -> dict:
         N, K = out_features, in_features
