@@ -26,12 +26,17 @@ def _dequantized(tensors: dict, base: str, method, n: int, k: int) -> torch.Tens
     return method.dequantize(layer, torch.float32)
 
 
-@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq", "gptq-v2"])
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq", "gptq-v2", "--quantize"])
 def test_each_ranks_slices_dequantize_to_its_slice_of_the_weight(scheme, tmp_path):
     hf, cfg = hf_model("llama", **SIZES)
-    src = quantized_checkpoint(hf, cfg, scheme, tmp_path / "hf")
-    dest = pack(src, tmp_path / "tp2", PackOptions(progress=False, tp=2))
-    whole = load(pack(src, tmp_path / "one", PackOptions(progress=False)), "cpu")
+    quantize = "fp8" if scheme == "--quantize" else None  # an fp16 checkpoint quantized as it is split
+    if quantize:
+        hf.save_pretrained(tmp_path / "hf")
+        src = tmp_path / "hf"
+    else:
+        src = quantized_checkpoint(hf, cfg, scheme, tmp_path / "hf")
+    dest = pack(src, tmp_path / "tp2", PackOptions(progress=False, tp=2, quantize=quantize))
+    whole = load(pack(src, tmp_path / "one", PackOptions(progress=False, quantize=quantize)), "cpu")
     config = whole.config
     lay, method = layout(config, 2), method_for(scheme_of(config))
     for rank in range(2):

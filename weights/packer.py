@@ -211,7 +211,8 @@ def _layout(src: Path, metas: dict[str, SourceTensor], aliases: dict[str, str], 
     lay = None
     try:
         if opts.tp > 1:
-            lay = tensor_parallel.layout(read_json(src / "config.json", "fix it or pack without --tp"), opts.tp)
+            config = read_json(src / "config.json", "fix it or pack without --tp")
+            lay = tensor_parallel.layout(quant.fp8_config(config) if opts.quantize else config, opts.tp)
             for a, target in aliases.items():
                 if tensor_parallel.rule(a) != tensor_parallel.rule(target):
                     raise ValueError(f"tensor {a!r} shares its storage with {target!r}, which is split otherwise")
