@@ -179,3 +179,20 @@ def test_gpu_choose_keeps_the_kernels_that_pass_on_the_models_layers():
         assert plan.scaled_mm
         x = torch.randn(200, 4096, device="cuda", dtype=torch.bfloat16)
         assert qk._relative_error(qk.fp8_scaled_mm(x, specs["q"]), qk._ref_wo_matmul(x, specs["q"], None)) < 6e-2
+
+
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq-act-order"])
+def test_the_self_tests_run_on_a_synthetic_layer_of_the_same_kind(scheme):
+    """A model built over a buffer still loading has no weights yet (unloaded fp8 bytes may be NaNs)."""
+    spec = _spec(scheme, 40, 72)
+    if spec.q.dtype.itemsize == 1:  # fp8 NaNs where the weights will be
+        spec.q = torch.full_like(spec.q.view(torch.uint8), 0x7F).view(spec.q.dtype)
+    fake = qk.synthetic(spec)
+    assert (fake.scheme, fake.n, fake.k, fake.group) == (spec.scheme, spec.n, spec.k, spec.group)
+    assert fake.block == spec.block
+    for a, b in ((fake.q, spec.q), (fake.s, spec.s), (fake.z, spec.z), (fake.g_idx, spec.g_idx)):
+        assert (a is None) == (b is None) and (a is None or (a.shape, a.dtype) == (b.shape, b.dtype))
+    w = qk.dequantize(fake, torch.float32)
+    assert torch.isfinite(w).all() and w.abs().max() > 0
+    if fake.g_idx is not None:
+        assert 0 <= int(fake.g_idx.min()) and int(fake.g_idx.max()) < -(-spec.k // spec.group)

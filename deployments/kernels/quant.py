@@ -162,14 +162,36 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
 
 
+def synthetic(spec: WeightSpec, seed: int = 0) -> WeightSpec:
+    """A layer of ``spec``'s scheme, shape and dtypes with random contents (valid scales, groups and
+    fp8 values): what the self-tests run on, since a model built over a buffer still loading has
+    no weights yet, and unloaded bytes may hold fp8 NaNs."""
+    dev = spec.q.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def words(t: torch.Tensor) -> torch.Tensor:
+        return torch.randint(-2**31, 2**31, t.shape, device=dev, generator=g, dtype=torch.int64).to(torch.int32)
+    if spec.q.dtype == torch.float8_e4m3fn:
+        q = (torch.randn(spec.q.shape, device=dev, generator=g) * 16).to(torch.float8_e4m3fn)
+    else:
+        q = words(spec.q)
+    s = (torch.rand(spec.s.shape, device=dev, generator=g) * 0.01 + 0.001).to(spec.s.dtype)
+    g_idx = None
+    if spec.g_idx is not None:
+        g_idx = (torch.randperm(spec.k, device=dev, generator=g) // spec.group).to(torch.int32)
+    return WeightSpec(spec.scheme, spec.n, spec.k, q, s, None if spec.z is None else words(spec.z), g_idx,
+                      spec.group, spec.block, spec.zero_offset)
+
+
 def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device) -> QuantKernels:
     """The kernels a model whose quantized layers are ``specs`` (one per distinct shape, by a
-    name for the log) uses on ``device``: each run on every spec at 1 and ``WO_MAX_ROWS`` rows
-    (the weight-only kernel) or 48 rows (``_scaled_mm``) and compared with `dequantize`'s
-    product; a pass is kept per node (``policy.kept_test``). Never raises."""
+    name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1 and
+    ``WO_MAX_ROWS`` rows (the weight-only kernel) or 48 rows (``_scaled_mm``) and compared with
+    `dequantize`'s product; a pass is kept per node (``policy.kept_test``). Never raises."""
     plan = QuantKernels()
     if not specs or not ops.available(device):
         return plan
+    specs = {name: synthetic(spec) for name, spec in specs.items()}
     where = policy.verdict_dir()
     shapes = sorted((s.scheme, s.n, s.k, s.group, list(s.block), s.g_idx is not None) for s in specs.values())
     t = time.perf_counter()
