@@ -267,3 +267,25 @@ def test_the_cli_packs_with_quantize_and_pack_and_verify_name_the_scheme(tmp_pat
     src = quantized_checkpoint(*hf_model("llama", **{"intermediate_size": 128}), "gptq", tmp_path / "gptq")
     assert cli(["pack", str(src), str(tmp_path / "g"), "--tp", "2", "-q"]) == 0
     assert "per rank, gptq int4 (group 32, symmetric), into" in capsys.readouterr().out
+
+
+def test_a_static_activation_scale_is_accepted_and_left_unread(tmp_path):
+    """compressed-tensors' static fp8 activations: input_scale beside each projection (the native
+    paths compute activations in the model's dtype, as transformers over the dequantized weights)."""
+    from safetensors.torch import load_file, save_file
+    hf, cfg = hf_model("qwen2")
+    src = quantized_checkpoint(hf, cfg, "ct-tensor", tmp_path / "hf")
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name[: -len("weight_scale")] + "input_scale"] = torch.tensor([0.05])
+    save_file(tensors, src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    (src / "config.json").write_text(json.dumps(config))
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
+    assert model.model.layers[0].self_attn.q_proj.input_scale.item() == pytest.approx(0.05)
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
