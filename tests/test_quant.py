@@ -127,8 +127,8 @@ def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cach
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(fused, tmp_path):
     """A scheme's ignore list: the checkpoint stores those projections plainly (no scale beside them).
-    Layer 0 keeps only its o_proj quantized: the fused path (kernels' torch references on the CPU)
-    must not multiply o_proj's stored weight as a plain matrix."""
+    Layer 0 keeps only its o_proj quantized: its plain q/k/v still fuse, and the fused path (kernels'
+    torch references on the CPU) multiplies o_proj by its own product, not its words as a matrix."""
     from deployments.kernels.policy import KernelPlan
     hf, cfg = hf_model("llama")
     src = quantized_checkpoint(hf, cfg, "awq", tmp_path / "hf")
@@ -146,7 +146,7 @@ def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(fused, tmp
     layer0 = model.model.layers[0]
     assert isinstance(layer0.mlp.down_proj, torch.nn.Linear)
     assert not isinstance(layer0.self_attn.o_proj, torch.nn.Linear)
-    assert layer0.self_attn.qkv_w is None and layer0.mlp.gate_up_w is None
+    assert isinstance(layer0.self_attn.qkv_w, torch.Tensor) and isinstance(layer0.mlp.gate_up_w, torch.Tensor)
     if fused:
         model.kernels = KernelPlan(fused=True)
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
@@ -289,3 +289,38 @@ def test_a_static_activation_scale_is_accepted_and_left_unread(tmp_path):
     tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq"])
+def test_fp8_projections_fuse_over_views_of_the_buffer(scheme, tmp_path):
+    """q/k/v and gate/up of an fp8 pack lie back to back (each a multiple of 4 KiB here): one fused
+    layer over a view of them (scales copied), on the torch path and the fused one; int4 layers keep
+    their separate products (their words pack a row's outputs together)."""
+    from deployments.kernels.policy import KernelPlan
+    from deployments.model.quant import QuantLinear
+    hf, cfg = hf_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=96 if scheme != "fp8-block" else 128, **CASES["llama"])
+    src = quantized_checkpoint(hf, cfg, scheme, tmp_path / "hf")
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    if scheme == "awq":
+        assert attn.qkv_w is None and mlp.gate_up_w is None
+    else:
+        assert isinstance(attn.qkv_w, QuantLinear) and isinstance(mlp.gate_up_w, QuantLinear)
+        assert attn.qkv_w.weight.data_ptr() == attn.q_proj.weight.data_ptr()
+        assert attn.qkv_w.weight.untyped_storage().data_ptr() == m.buffer.untyped_storage().data_ptr()
+        assert "qkv_w" not in dict(attn.named_children())  # not a second entry in parameters()
+        # a build over a buffer still loading copies the scales again once the bytes arrived
+        scale = getattr(attn.qkv_w, attn.qkv_w.method.marker)
+        scale.zero_()
+        model.weights_loaded()
+        assert scale.abs().min() > 0
+    from deployments.model.build import gemv_groups
+    assert all(w.dtype == torch.float32 for pairs in gemv_groups(model).values() for w, _ in pairs)  # lm_head's
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+        model.kernels = KernelPlan(fused=True)
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    _engine_greedy(model, hf, "paged", steps=16)

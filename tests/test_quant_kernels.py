@@ -105,11 +105,16 @@ def test_interp_wo_matmul_keeps_leading_dims(interp):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch,scheme", [("llama", "ct-channel"), ("qwen2", "gptq-act-order")])
+FUSED = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # fp8 q/k/v each a multiple of 4 KiB
+
+
+@pytest.mark.parametrize("arch,scheme,kw", [("llama", "ct-channel", {}), ("qwen2", "gptq-act-order", {}),
+                                            ("mistral", "ct-tensor", FUSED)])
 def test_interp_engine_on_a_quantized_pack_gives_transformers_greedy_tokens(interp, monkeypatch, tmp_path, arch,
-                                                                             scheme):
+                                                                             scheme, kw):
     """The GPU's path, interpreted: the plan chosen by kernels.quant.choose (its self-test passes on
-    the model's own layers), the weight-only kernel in every decode step, the fused norms beside it."""
+    synthetic layers of the model's shapes), the weight-only kernel in every decode step, the fused
+    norms beside it; where fp8 q/k/v fuse, the fused decode too (rope + KV write, the attention kernel)."""
     from deployments.engine import Engine, EngineConfig, SamplingParams
     from deployments.kernels import ops
     from deployments.kernels.policy import KernelPlan
@@ -120,14 +125,18 @@ def test_interp_engine_on_a_quantized_pack_gives_transformers_greedy_tokens(inte
     from weights import PackOptions, load, pack
 
     monkeypatch.setattr(ops, "available", lambda device: True)
-    hf, cfg = hf_model(arch)
+    hf, cfg = hf_model(arch, **kw)
     m = load(pack(quantized_checkpoint(hf, cfg, scheme, tmp_path / "hf"), tmp_path / "packed",
                   PackOptions(progress=False)), "cpu")
     model = build_model(m.config, m.tensors)
     method = model.model.layers[0].mlp.down_proj.method
     assert method.kernels.weight_only and not method.kernels.scaled_mm  # (choose ran the interpreted self-test)
-    assert len(kernel_specs(model)) == 4  # q/o, k/v, gate/up, down: one layer of each shape tested
-    model.kernels = KernelPlan(fused=True)
+    fused = isinstance(model.model.layers[0].self_attn.qkv_w, torch.nn.Module)
+    assert fused == bool(kw)
+    # q/o, k/v, gate/up, down: one layer of each shape tested (and the fused qkv and gate_up)
+    assert len(kernel_specs(model)) == 4 + 2 * fused
+    model.kernels = KernelPlan(fused=True, attention=fused)
+    assert model.attention_kernel() == fused
     eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
     eng.start()
     try:

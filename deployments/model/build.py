@@ -28,7 +28,7 @@ from deployments.model.config import (NATIVE_ARCHITECTURES, SILU_ACTIVATIONS, Mo
                                       native_blockers, unread_fields)
 from deployments.model.fused import fuse_projections
 from deployments.model.llama import Transformer
-from deployments.model.quant import QuantLinear, kernel_specs, method_for, quantized_projections
+from deployments.model.quant import QuantLinear, kernel_specs, method_for, quant_layers, quantized_projections
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ def gemv_groups(model: Transformer) -> dict[str, list[tuple[torch.Tensor, torch.
     ``kernels.policy.gemv_choice`` times. Weights with strided rows are left out."""
     groups: dict[tuple[int, int], dict] = {}
 
-    def add(name: str, w: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        if w is not None and w.is_floating_point() and w.dtype.itemsize > 1 and w.stride(1) == 1:
+    def add(name: str, w: Any, b: torch.Tensor | None) -> None:
+        # (a quantized layer, fused or not, is no matrix: its scheme's kernels run it)
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dtype.itemsize > 1 and w.stride(1) == 1:
             g = groups.setdefault(tuple(w.shape), {"names": [], "pairs": []})
             if name not in g["names"]:
                 g["names"].append(name)
@@ -147,7 +148,7 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     model.build_s.update(model.kernels.seconds)
     if method:
         # the dequantize-then-matmul path's copy of one layer: its fp32 intermediates and the result
-        widest = max(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+        widest = max(m.in_features * m.out_features for _, m in quant_layers(model))
         model.transient_weight_bytes = widest * (method.dequant_bytes + model.dtype.itemsize)
         method.kernels = quant_kernels.choose(kernel_specs(model), model.dtype, model.device)
         model.build_s.update(method.kernels.seconds)

@@ -31,7 +31,7 @@ from torch import nn
 
 from deployments.kernels import ops, policy
 from deployments.kernels.policy import KernelPlan
-from deployments.model.attention import Attention, AttnContext, attention_backends, linear
+from deployments.model.attention import Attention, AttnContext, attention_backends, linear, project
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
 from deployments.model.fused import refresh_copies
 from deployments.model.kv_cache import KVCache, PagedKVCache
@@ -58,7 +58,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(F_, D, bias=cfg.mlp_bias)
-        self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
+        self.gate_up_w: torch.Tensor | nn.Module | None = None  # [2F, D] view, as Attention.qkv_w
         self.gate_up_b: torch.Tensor | None = None
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.silu = cfg.hidden_act in SILU_ACTIVATIONS  # the fused kernel computes SiLU only
@@ -71,9 +71,9 @@ class MLP(nn.Module):
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = self.act(gate) * up
-            return linear(h, self.down_proj.weight, self.down_proj.bias, ctx)
+            return project(h, self.down_proj, ctx)
         if self.gate_up_w is not None:
-            gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
+            gate, up = linear(x, self.gate_up_w, self.gate_up_b, None).chunk(2, dim=-1)  # [B, S, F] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act(gate) * up)

@@ -5,7 +5,7 @@ tensors a layer holds and which kernel runs it (``base``); `method_for` picks th
 from __future__ import annotations
 
 from deployments.model.quant.awq import AwqMethod
-from deployments.model.quant.base import QuantLinear, QuantMethod, kernel_specs, quantized_projections
+from deployments.model.quant.base import QuantLinear, QuantMethod, kernel_specs, quant_layers, quantized_projections
 from deployments.model.quant.fp8 import Fp8Method
 from deployments.model.quant.gptq import GptqMethod
 from weights.quant import QuantScheme
@@ -18,4 +18,4 @@ def method_for(scheme: QuantScheme) -> QuantMethod:
     return _METHODS[scheme.method](scheme)
 
 
-__all__ = ["QuantLinear", "QuantMethod", "kernel_specs", "method_for", "quantized_projections"]
+__all__ = ["QuantLinear", "QuantMethod", "kernel_specs", "method_for", "quant_layers", "quantized_projections"]

@@ -59,6 +59,18 @@ class QuantMethod:
             return quant_kernels.fp8_scaled_mm(x, self.spec(layer), bias)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
 
+    def fuse(self, layers: list["QuantLinear"], weight: torch.Tensor | None) -> "QuantLinear | None":
+        """One layer computing ``layers`` (same inputs) stacked by output rows, over ``weight`` (their
+        ``weight`` tensors as one view, None where they are not back to back) and a copy of their
+        scales (small, as fused biases are copied); None where the scheme cannot (int4 words pack
+        the outputs of an input row together: a fused layer would need a copy of the weights)."""
+        return None
+
+    def refresh_fused(self, fused: "QuantLinear") -> int:
+        """Copy again, in place, what `fuse` copied out of the parts (their weights' bytes arrived
+        after the build); how many tensors."""
+        return 0
+
     def check(self, layer: "QuantLinear", name: str) -> None:
         """Refuse a layer whose tensors have a dtype the scheme does not read (ValueError naming the tensor)."""
         for t, (_, dtypes) in self.tensors(layer.out_features, layer.in_features).items():
@@ -104,11 +116,24 @@ def quantized_projections(model: Any, method: QuantMethod, tensors: dict[str, An
     return n
 
 
+def quant_layers(model: Any) -> list[tuple[str, QuantLinear]]:
+    """The model's quantized layers by name: its projections', and the fused ones its layers hold
+    outside the module tree (``deployments.model.fused``)."""
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            out.append((name, mod))
+        for attr in ("qkv_w", "gate_up_w"):
+            fused = mod.__dict__.get(attr)
+            if isinstance(fused, QuantLinear):
+                out.append((f"{name}.{attr}", fused))
+    return out
+
+
 def kernel_specs(model: Any) -> dict[str, WeightSpec]:
     """One quantized layer of each distinct shape, by its name: what ``kernels.quant.choose`` tests."""
     out: dict[tuple, tuple[str, WeightSpec]] = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear):
-            spec = mod.method.spec(mod)
-            out.setdefault((spec.n, spec.k, spec.g_idx is not None), (name, spec))
+    for name, mod in quant_layers(model):
+        spec = mod.method.spec(mod)
+        out.setdefault((spec.scheme, spec.n, spec.k, spec.g_idx is not None), (name, spec))
     return dict(out.values())

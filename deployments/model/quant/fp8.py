@@ -39,6 +39,40 @@ class Fp8Method(QuantMethod):
         w["input_scale"] = ((1,), _SCALE_DTYPES)  # a static activation scale: unread (activations stay unquantized)
         return w
 
+    def _scale(self, layers: list[QuantLinear]) -> torch.Tensor:
+        """The stacked layers' scales: blocks of rows stacked, or one float32 scale per output row."""
+        if self.block:
+            return torch.cat([p.weight_scale_inv for p in layers])
+        return torch.cat([p.weight_scale.float().reshape(-1, 1).expand(p.out_features, 1) for p in layers])
+
+    def fuse(self, layers: list[QuantLinear], weight: torch.Tensor | None) -> QuantLinear | None:
+        if weight is None:
+            return None
+        if self.block and any(p.out_features % self.block[0] for p in layers):
+            return None  # a block of scales would straddle two layers
+        bias = layers[0].bias is not None
+        with torch.device("meta"):
+            fused = QuantLinear(self, layers[0].in_features, weight.shape[0], bias, optional=("input_scale",))
+        fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+        fused.parts = layers
+        for name, t in self._copies(fused).items():
+            setattr(fused, name, torch.nn.Parameter(t, requires_grad=False))
+        return fused
+
+    def _copies(self, fused: QuantLinear) -> dict[str, torch.Tensor]:
+        """What a fused layer holds copied from its parts: the scales, and the biases (4 KiB-padded
+        apart in a packed file)."""
+        out = {self.marker: self._scale(fused.parts)}
+        if fused.bias is not None:
+            out["bias"] = torch.cat([p.bias for p in fused.parts])
+        return out
+
+    def refresh_fused(self, fused: QuantLinear) -> int:
+        copies = self._copies(fused)
+        for name, t in copies.items():
+            getattr(fused, name).copy_(t)
+        return len(copies)
+
     def spec(self, layer: QuantLinear) -> WeightSpec:
         if self.block:
             return WeightSpec(FP8_BLOCK, layer.out_features, layer.in_features, layer.weight, layer.weight_scale_inv,
