@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from conftest import gpu
 from deployments.model import build_model
 from deployments.model.quant import method_for
 from deployments.kernels.quant import unpack_int4
@@ -324,3 +325,40 @@ def test_fp8_projections_fuse_over_views_of_the_buffer(scheme, tmp_path):
         model.kernels = KernelPlan(fused=True)
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
     _engine_greedy(model, hf, "paged", steps=16)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "gptq-act-order"])
+def test_a_replica_starts_warms_and_answers_from_a_quantized_pack(fmt, tmp_path):
+    """The replica's own start (no Ray): load, build, warm-up, health, an HTTP answer."""
+    from starlette.testclient import TestClient
+
+    from deployments.server.http import build
+    from deployments.server.replica import LLMServer
+    from weights import make_demo
+    packed = pack(make_demo(tmp_path / "hf", "tiny", quant=fmt), tmp_path / "packed", PackOptions(progress=False))
+    s = LLMServer(str(packed), engine={"max_slots": 2, "max_seq_len": 128})
+    try:
+        s.reconfigure({"warmup": {"requests": 1}})
+        s.check_health()
+        r = TestClient(build(s)).post("/generate", json={"prompt": "hi", "max_new_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        s.shutdown()
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["fp8", "awq"])
+def test_gpu_replica_built_during_the_load_serves_what_a_sequential_start_serves(fmt, tmp_path):
+    """On the GPU the engine is built over the buffer while it loads (kernel self-tests on synthetic
+    layers, fused layers' scales copied again once the bytes arrived): it serves what a replica that
+    waited serves."""
+    from deployments.server.start import Start
+    from test_replica_start import _gpu_replica_run
+    from weights import make_demo
+
+    class Sequential(Start):
+        def start_load(self) -> None:
+            super().start_load()
+            self.overlap = False
+    packed = pack(make_demo(tmp_path / "hf", "tiny", quant=fmt), tmp_path / "packed", PackOptions(progress=False))
+    assert _gpu_replica_run(packed)[0] == _gpu_replica_run(packed, start=Sequential)[0]
