@@ -362,3 +362,22 @@ def test_gpu_replica_built_during_the_load_serves_what_a_sequential_start_serves
             self.overlap = False
     packed = pack(make_demo(tmp_path / "hf", "tiny", quant=fmt), tmp_path / "packed", PackOptions(progress=False))
     assert _gpu_replica_run(packed)[0] == _gpu_replica_run(packed, start=Sequential)[0]
+
+
+def test_pack_quantize_refuses_a_checkpoint_without_layer_projections(tmp_path):
+    hf, _ = hf_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=97)
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(SourceError, match=r"--quantize fp8: no layer projections to quantize \(model\.layers\.N"):
+        pack(tmp_path / "hf", tmp_path / "p", PackOptions(progress=False, quantize="fp8"))
+
+
+def test_scales_of_another_group_size_are_named_by_the_strict_check(tmp_path):
+    hf, cfg = hf_model("llama")
+    src = quantized_checkpoint(hf, cfg, "awq", tmp_path / "hf")  # group 32
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 64
+    (src / "config.json").write_text(json.dumps(config))
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    with pytest.raises(ValueError, match=r"mis-shaped \(\d+\): model.layers.0.mlp.down_proj.qzeros: expected "
+                                         r"\[2, 8\], given \[3, 8\]"):
+        build_model(m.config, m.tensors)

@@ -146,6 +146,10 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
             raise SourceError(f"{src}: the weight files hold no tensors")
         stream = iter_tensors(files, handles, skip=set(aliases))
         if opts.quantize:
+            if not any(quant.is_projection_weight(n, m.shape) for n, m in metas.items()):
+                raise SourceError(f"{src}: --quantize {opts.quantize}: no layer projections to quantize "
+                                  f"(model.layers.N.*.{{{','.join(quant.PROJECTIONS)}}}.weight): only Llama, "
+                                  "Mistral and Qwen2 checkpoints are quantized at pack time")
             metas, stream = quantize.fp8_metas(metas), quantize.fp8_stream(stream)
         return write_pack(src, dest, metas, stream, aliases, opts)
     finally:
