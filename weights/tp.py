@@ -246,7 +246,7 @@ def _quant_slice(name: str, shape: tuple[int, ...], lay: Layout, rank: int) -> t
     its own entries (see the module's docstring); ValueError naming the field where a slice would
     not start and end on an entry's boundary."""
     kind = rule(name)
-    w_kind, _, unit, units = _split(name.rsplit(".", 1)[0] + ".weight", _weight_shape(kind, lay), lay)
+    _, _, unit, units = _split(name.rsplit(".", 1)[0] + ".weight", _weight_shape(kind, lay), lay)
     axis = "out" if kind in _OUT_KINDS else "in"
     where = _axes(name, shape, lay).get(axis)
     if where is None:
