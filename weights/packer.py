@@ -146,6 +146,7 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
             raise SourceError(f"{src}: the weight files hold no tensors")
         stream = iter_tensors(files, handles, skip=set(aliases))
         if opts.quantize:
+            _scheme(src, opts)  # (a quantized source is refused as such first)
             if not any(quant.is_projection_weight(n, m.shape) for n, m in metas.items()):
                 raise SourceError(f"{src}: --quantize {opts.quantize}: no layer projections to quantize "
                                   f"(model.layers.N.*.{{{','.join(quant.PROJECTIONS)}}}.weight): only Llama, "
