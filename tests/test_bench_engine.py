@@ -39,3 +39,26 @@ def test_bad_prompt_lengths_are_refused(tmp_path):
     r = subprocess.run([sys.executable, "bench/engine.py", "--random", "tiny", "--prompt-lens", "50,10"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--prompt-lens (50, 10): want LO,HI with 1 <= LO <= HI" in r.stderr
+
+
+def test_bench_quant_runs_each_format_beside_fp16_on_the_cpu(tmp_path):
+    """bench/quant.py end to end on the tiny shape (its GPU run uses bench/load.py's probes instead
+    of the in-process CPU load)."""
+    out = tmp_path / "quant.json"
+    r = subprocess.run([sys.executable, "bench/quant.py", "--work", str(tmp_path / "work"), "--shape", "tiny",
+                        "--formats", "fp8,gptq", "--quantize-fp8", "--device", "cpu", "--repeats", "1",
+                        "--concurrency", "1,4", "--new-tokens", "4", "--max-seq-len", "256", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [row["format"] for row in res["rows"]] == ["fp16", "fp8", "gptq", "fp16-quantize-fp8"]
+    for row in res["rows"]:
+        assert row["decode_ms_per_token_b1"] > 0 and row["tokens_per_s_b4"] > 0 and row["load_s"] > 0
+    assert res["rows"][1]["kernels"] == "dequantize + matmul" and "decode_speedup_vs_fp16" in res["rows"][1]
+    assert res["commit"] and res["time"]
+
+
+def test_bench_quant_refuses_an_unknown_format(tmp_path):
+    r = subprocess.run([sys.executable, "bench/quant.py", "--formats", "int3"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--formats: int3 unknown" in r.stderr

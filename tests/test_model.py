@@ -664,7 +664,10 @@ def test_a_rope_type_transformers_cannot_build_either_is_refused_naming_the_fiel
         build_model(cfg, state_tensors(hf))
 
 
-def test_quantized_configs_are_refused():
+def test_quantized_configs_of_an_unread_scheme_are_refused_naming_the_field():
     _, cfg = hf_model("llama")
-    with pytest.raises(ValueError, match=r"quantization_config.*'fp8'"):
-        ModelConfig.from_hf({**cfg, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    with pytest.raises(ValueError, match=r"quantization_config.quant_method='bitsandbytes' is not supported"):
+        ModelConfig.from_hf({**cfg, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}})
+    block = ModelConfig.from_hf({**cfg, "quantization_config": {"quant_method": "fp8",
+                                                                "weight_block_size": [128, 128]}})
+    assert block.quantization.block == (128, 128)  # (read: deployments.model.quant runs it)

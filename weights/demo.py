@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from .format import align_up
+from .quant import keeps_dtype
+from .quantize import DEMO_FORMATS, demo_specs, demo_tensor
 
 
 @dataclass(frozen=True)
@@ -146,36 +148,38 @@ def build_tokenizer(vocab_size: int):
     return tok
 
 
-_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_ST_CODE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "int32": "I32"}
 
 
-def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
-                       code: str, device: torch.device, gen: torch.Generator) -> None:
-    """Stream random tensors into one safetensors file without holding them all."""
-    elem = torch.empty((), dtype=dtype).element_size()
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], str]], quant: str | None,
+                       device: torch.device, gen: torch.Generator) -> None:
+    """Stream random tensors (name, shape, dtype) into one safetensors file without holding them all."""
     header: dict = {"__metadata__": {"format": "pt"}}
     off = 0
-    for name, shape in tensors:
-        n = elem
+    for name, shape, dtype in tensors:
+        n = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         for d in shape:
             n *= d
-        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": _ST_CODE[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (align_up(len(raw) + 8, 8) - len(raw) - 8)  # data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, shape in tensors:
-            t = _random_tensor(name, shape, dtype, device, gen)
+        for name, shape, dtype in tensors:
+            t = _random_tensor(name, shape, dtype, quant, device, gen)
             f.write(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+def _random_tensor(name: str, shape: tuple[int, ...], dtype_name: str, quant: str | None, device: torch.device,
                    gen: torch.Generator) -> torch.Tensor:
-    """One demo tensor, drawn from ``gen`` (norms: ones)."""
+    """One demo tensor, drawn from ``gen`` (norms: ones; a quantized projection's: weights.quantize)."""
+    dtype = getattr(torch, dtype_name)
+    if quant and (keeps_dtype(name) or not dtype.is_floating_point or dtype.itemsize == 1):
+        return demo_tensor(name, shape, dtype_name, quant, device, gen)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
@@ -195,7 +199,8 @@ def shape_of(shape: str, layers: int | None = None) -> Shape:
 
 
 def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cpu",
-              seed: int = 0, force: bool = False, layers: int | None = None, tp: int = 1) -> Path:
+              seed: int = 0, force: bool = False, layers: int | None = None, tp: int = 1,
+              quant: str | None = None) -> Path:
     """Write a random Llama-family HF checkpoint to ``dest`` (atomically).
 
     Args:
@@ -208,7 +213,12 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
         layers: write this many layers of the shape (its other sizes unchanged).
         tp: above 1, write a packed split pack over ``tp`` ranks instead of the checkpoint (see
             the module's docstring).
+        quant: write the checkpoint quantized in this format (``weights.quantize.DEMO_FORMATS``:
+            fp8, fp8-tensor, fbgemm-fp8, fp8-block, awq, gptq, gptq-act-order), its projections
+            random in the format's layout and config.json with its quantization_config.
     """
+    if quant is not None and quant not in DEMO_FORMATS:
+        raise ValueError(f"quant={quant!r} is unknown; choose one of {', '.join(DEMO_FORMATS)}")
     s = shape_of(shape, layers)
     dest = Path(dest)
     if tp == 1 and (dest.exists() or dest.is_symlink()) and not _made_here(dest):
@@ -218,11 +228,12 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
         raise FileExistsError(f"{dest} exists; pass --force to replace it")
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    dtype = getattr(torch, s.dtype)
-    specs = tensor_specs(s)
+    specs = [(n, shp, s.dtype) for n, shp in tensor_specs(s)]
+    if quant:
+        specs = demo_specs([(n, shp) for n, shp, _ in specs], quant, s.dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if tp > 1:
-        return _write_split(dest, s, f"demo-{shape}", specs, dtype, dev, gen, tp, force)
+        return _write_split(dest, s, f"demo-{shape}", specs, quant, dev, gen, tp, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
     try:
@@ -232,14 +243,14 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
         for i, g in enumerate(groups):
             fname = ("model.safetensors" if s.shards == 1 else
                      f"model-{i + 1:05d}-of-{s.shards:05d}.safetensors")
-            _write_safetensors(tmp / fname, g, dtype, _ST_CODE[s.dtype], dev, gen)
-            weight_map.update({n: fname for n, _ in g})
+            _write_safetensors(tmp / fname, g, quant, dev, gen)
+            weight_map.update({n: fname for n, _, _ in g})
         if s.shards > 1:
             total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
             _dump(tmp / "model.safetensors.index.json",
                   {"metadata": {"total_size": total}, "weight_map": weight_map})
-        _write_side_files(tmp, s)
-        _dump(tmp / MARKER, {"shape": shape, "layers": s.layers, "seed": seed, "device": str(dev)})
+        _write_side_files(tmp, s, quant)
+        _dump(tmp / MARKER, {"shape": shape, "layers": s.layers, "seed": seed, "device": str(dev), "quant": quant})
         from .publish import swap_in
         swap_in(tmp, dest)  # (replaceable: checked above)
     except BaseException:
@@ -255,9 +266,12 @@ def _made_here(dest: Path) -> bool:
     return dest.is_dir() and not dest.is_symlink() and ((dest / MARKER).is_file() or not any(dest.iterdir()))
 
 
-def _write_side_files(d: Path, s: Shape) -> None:
-    """config.json, generation_config.json and the tokenizer's files."""
-    _dump(d / "config.json", config_dict(s))
+def _write_side_files(d: Path, s: Shape, quant: str | None = None) -> None:
+    """config.json (with ``quant``'s quantization_config), generation_config.json and the tokenizer's files."""
+    config = config_dict(s)
+    if quant:
+        config["quantization_config"] = DEMO_FORMATS[quant]
+    _dump(d / "config.json", config)
     _dump(d / "generation_config.json",
           {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False, "max_length": s.max_positions})
     tok = build_tokenizer(s.vocab)
@@ -270,7 +284,7 @@ def _write_side_files(d: Path, s: Shape) -> None:
           {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
 
 
-def _write_split(dest: Path, s: Shape, source: str, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+def _write_split(dest: Path, s: Shape, source: str, specs: list[tuple[str, tuple[int, ...], str]], quant: str | None,
                  dev: torch.device, gen: torch.Generator, tp: int, force: bool) -> Path:
     """The split pack of the checkpoint ``make_demo`` would write, through the packer's writer:
     the side files from a temporary directory, each random tensor drawn in the checkpoint's
@@ -279,10 +293,10 @@ def _write_split(dest: Path, s: Shape, source: str, specs: list[tuple[str, tuple
     from .sources import SourceTensor
 
     where = Path(f"<random {source}>")
-    metas = {name: SourceTensor(name, where, s.dtype, shape) for name, shape in specs}
-    tensors = ((name, _random_tensor(name, shape, dtype, dev, gen).cpu(), where) for name, shape in specs)
+    metas = {name: SourceTensor(name, where, dtype, shape) for name, shape, dtype in specs}
+    tensors = ((name, _random_tensor(name, shape, dtype, quant, dev, gen).cpu(), where) for name, shape, dtype in specs)
     with tempfile.TemporaryDirectory(prefix="coldstart-demo-side-") as side:
-        _write_side_files(Path(side), s)
+        _write_side_files(Path(side), s, quant)
         return write_pack(Path(side), dest, metas, tensors, {}, PackOptions(tp=tp, force=force), source=source)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import checksum, publish
+from . import checksum, publish, quant, quantize
 from . import tp as tensor_parallel
 from .format import (ALIGN, DEFAULT_CHUNK_BYTES, DTYPES, PREAMBLE_BYTES, SIDE_FILES,
                      TP_MANIFEST, WEIGHTS_FILE, Index, SideFile, TensorEntry, align_up, encode_preamble,
@@ -60,6 +60,9 @@ class PackOptions:
         progress: show a progress bar (only on a terminal).
         tp: split the model over this many tensor-parallel ranks, one weights file each
             (``weights.tp``); 1 writes one plain model.cst.
+        quantize: "fp8": quantize every layer's projection weights to float8_e4m3fn with one
+            float32 scale per output channel (``weights.quant``); config.json gets the matching
+            compressed-tensors quantization_config. None: the tensors as the source has them.
     """
 
     dtype: str | None = None
@@ -67,8 +70,12 @@ class PackOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     progress: bool = True
     tp: int = 1
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantize is not None and self.quantize not in quant.QUANTIZE_CHOICES:
+            raise ValueError(f"quantize={self.quantize!r} is not supported; use one of "
+                             f"{', '.join(quant.QUANTIZE_CHOICES)}")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ValueError(f"tp={self.tp!r} must be a number of ranks, 1 or more")
         if self.dtype is not None and self.dtype not in CAST_DTYPES:
@@ -96,12 +103,14 @@ def _layout_key(name: str) -> list:
 
 
 def _stored_dtype(name: str, dtype: str, file: Path, cast: str | None) -> str:
+    """The dtype ``name`` is stored as: ``cast`` for floating-point tensors of 2 bytes or more,
+    except a quantized layer's scales and zero points (their values are the quantisation's)."""
     tdt = getattr(torch, dtype, None) if dtype in DTYPES else None
     if tdt is None:
         # safetensors codes were mapped to torch already; only odd .bin dtypes land here
         raise SourceError(f"{file}: tensor {name!r} has dtype {dtype}, which a packed file cannot "
                           f"hold; supported: {', '.join(DTYPES)}")
-    if cast and tdt.is_floating_point and tdt.itemsize >= 2:
+    if cast and tdt.is_floating_point and tdt.itemsize >= 2 and not quant.keeps_dtype(name):
         return cast  # fp8 stays fp8: casting it up would change what was quantized
     return dtype
 
@@ -136,7 +145,15 @@ def pack(src: str | os.PathLike, dest: str | os.PathLike, options: PackOptions |
     try:
         if not metas:
             raise SourceError(f"{src}: the weight files hold no tensors")
-        return write_pack(src, dest, metas, iter_tensors(files, handles, skip=set(aliases)), aliases, opts)
+        stream = iter_tensors(files, handles, skip=set(aliases))
+        if opts.quantize:
+            _scheme(src, opts)  # (a quantized source is refused as such first)
+            if not any(quant.is_projection_weight(n, m.shape) for n, m in metas.items()):
+                raise SourceError(f"{src}: --quantize {opts.quantize}: no layer projections to quantize "
+                                  f"(model.layers.N.*.{{{','.join(quant.PROJECTIONS)}}}.weight): only Llama, "
+                                  "Mistral and Qwen2 checkpoints are quantized at pack time")
+            metas, stream = quantize.fp8_metas(metas), quantize.fp8_stream(stream)
+        return write_pack(src, dest, metas, stream, aliases, opts)
     finally:
         for h in handles:
             if hasattr(h, "close"):
@@ -153,6 +170,7 @@ def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: T
     (name, tensor, where it comes from), each once, in any order; split over ``opts.tp`` ranks
     when that is above 1; side files copied from ``src``. ``pack`` gives it a checkpoint's
     tensors, ``weights.demo`` random ones. ``source``: recorded in the index (SRC's name)."""
+    scheme = _scheme(src, opts)
     by_name, data_bytes, lay = _layout(src, metas, aliases, opts)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with publish.locked(dest) as locked:
@@ -160,7 +178,8 @@ def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: T
         publish.remove_leftovers(dest, src, locked)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-{publish.owner()}-", dir=dest.parent))
         try:
-            meta = {"source": source or src.name, "cast": opts.dtype}
+            meta = {"source": source or src.name, "cast": opts.dtype,
+                    "quantization": scheme.to_json() if scheme else None}
             _write_pack(tmp, src, tensors, by_name, data_bytes, aliases, opts, lay, meta)
             publish.publish(tmp, dest, opts.force)
         except BaseException:
@@ -172,6 +191,23 @@ def write_pack(src: Path, dest: Path, metas: dict[str, SourceTensor], tensors: T
     return dest
 
 
+def _scheme(src: Path, opts: PackOptions) -> "quant.QuantScheme | None":
+    """The pack's quantization scheme (recorded in its index): the source's, or --quantize's.
+    SourceError naming the field for a scheme the decoder does not run, and for --quantize of a
+    quantized source."""
+    config = read_json(src / "config.json", "fix it, or re-download the model")
+    try:
+        scheme = quant.scheme_of(config)
+    except ValueError as e:
+        raise SourceError(f"{src}: {e}") from None
+    if scheme and opts.quantize:
+        raise SourceError(f"{src}: --quantize {opts.quantize}: the checkpoint is quantized already "
+                          f"({scheme.describe()}); pack it without --quantize")
+    if opts.quantize:
+        scheme = quant.scheme_of(quant.fp8_config(config))
+    return scheme
+
+
 def _layout(src: Path, metas: dict[str, SourceTensor], aliases: dict[str, str], opts: PackOptions
             ) -> tuple[dict[str, TensorEntry], int, "tensor_parallel.Layout | None"]:
     """Every tensor's entry (metadata only, so each can be written where it belongs as it
@@ -181,7 +217,8 @@ def _layout(src: Path, metas: dict[str, SourceTensor], aliases: dict[str, str], 
     lay = None
     try:
         if opts.tp > 1:
-            lay = tensor_parallel.layout(read_json(src / "config.json", "fix it or pack without --tp"), opts.tp)
+            config = read_json(src / "config.json", "fix it or pack without --tp")
+            lay = tensor_parallel.layout(quant.fp8_config(config) if opts.quantize else config, opts.tp)
             for a, target in aliases.items():
                 if tensor_parallel.rule(a) != tensor_parallel.rule(target):
                     raise ValueError(f"tensor {a!r} shares its storage with {target!r}, which is split otherwise")
@@ -208,6 +245,11 @@ def _write_pack(tmp: Path, src: Path, tensors: TensorStream, by_name: dict[str, 
     model.cst once complete, all fsynced (see the module's docstring for why)."""
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
     side = _copy_side_files(src, tmp)
+    if opts.quantize:  # the pack's config.json says how its weights are stored
+        cfg = tmp / "config.json"
+        cfg.write_text(json.dumps(quant.fp8_config(read_json(cfg, "fix it")), indent=2))
+        publish.fsync(cfg)
+        side["config.json"] = SideFile(file_sha256(cfg), cfg.stat().st_size)
     paths, metadata = [tmp / _PARTIAL], [meta]
     if lay is not None:
         side[TP_MANIFEST] = _write_manifest(tmp, lay)

@@ -38,6 +38,16 @@ read it: every rank holds (and caches) exactly the kv heads its queries need.
 
 Requirements: H % N == 0, G % N == 0 or N % G == 0, I % N == 0; otherwise ``layout`` raises a
 ValueError naming the fields. A tensor without a rule (another architecture's) is refused by name.
+
+Quantized checkpoints (``weights.quant``). A projection's other tensors follow its weight: where
+the weight is split by output rows (column-parallel), each tensor that has an output axis is cut
+along it; where by input columns (row-parallel), along its input axis; a tensor without that axis
+is whole on every rank (a per-tensor scale, a column-parallel layer's ``g_idx``, a row-parallel
+layer's per-channel ``weight_scale``). Along an axis a tensor may hold one entry per several
+weight elements (an AWQ / GPTQ word: 8; a group: group_size; an fp8 block: weight_block_size);
+a rank's slice must start and end on such a boundary, or the split is refused naming the field.
+A row-parallel GPTQ ``g_idx`` is rebased to its rank's first group; act-order GPTQ (groups
+scattered over the input rows) does not split by rows and is refused (desc_act).
 """
 
 from __future__ import annotations
@@ -48,13 +58,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .format import MANIFEST_FORMAT, TP_MANIFEST, rank_dir, read_manifest
+from . import quant
+from .format import (MANIFEST_FORMAT, TP_MANIFEST, rank_dir,
+                     read_manifest)
 
 # the kinds of rule (see the module's docstring)
 Q_ROWS, KV_ROWS, Q_COLUMNS, MLP_ROWS, MLP_COLUMNS, FIRST, VOCAB, REPLICATED = (
     "q_rows", "kv_rows", "q_columns", "mlp_rows", "mlp_columns", "rank0", "vocab", "replicated")
 
 _PROJ = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_QUANT = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.("
+                    + "|".join(quant.QUANT_PARAMS) + r")$")
 _PROJ_KIND = {("q_proj", "weight"): Q_ROWS, ("q_proj", "bias"): Q_ROWS,
               ("k_proj", "weight"): KV_ROWS, ("k_proj", "bias"): KV_ROWS,
               ("v_proj", "weight"): KV_ROWS, ("v_proj", "bias"): KV_ROWS,
@@ -74,6 +88,7 @@ class Layout:
     head_dim: int
     intermediate: int
     vocab: int
+    scheme: "quant.QuantScheme | None" = None  # the checkpoint's quantization (None: plain weights)
 
     @property
     def heads_per_rank(self) -> int:
@@ -142,7 +157,12 @@ def layout(config: Mapping[str, Any], size: int) -> Layout:
     if inter % size:
         raise ValueError(f"tensor parallelism over {size} ranks: intermediate_size ({inter}) is not a multiple "
                          f"of {size}; {fix}")
-    return Layout(size, heads, kv, int(head_dim), inter, vocab)
+    scheme = quant.scheme_of(config)
+    if scheme is not None and scheme.act_order and size > 1:
+        raise ValueError(f"tensor parallelism over {size} ranks: quantization_config.desc_act=True (act-order "
+                         "GPTQ) scatters each group over the input rows, so o_proj and down_proj cannot be split "
+                         "by rows; serve it on one device, or quantize it without act-order")
+    return Layout(size, heads, kv, int(head_dim), inter, vocab, scheme)
 
 
 def rank_config(config: Mapping[str, Any], size: int) -> dict:
@@ -158,9 +178,9 @@ def rank_config(config: Mapping[str, Any], size: int) -> dict:
 def rule(name: str) -> str:
     """The kind of split of tensor ``name`` (one of this module's kind constants); ValueError
     naming it when no rule covers it."""
-    m = _PROJ.search(name)
+    m = _PROJ.search(name) or _QUANT.search(name)
     if m:
-        return _PROJ_KIND[m.group(1), m.group(2)]
+        return _PROJ_KIND[m.group(1), "bias" if m.group(2) == "bias" else "weight"]
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return VOCAB
     if name.endswith(("norm.weight", "rotary_emb.inv_freq")):
@@ -195,30 +215,116 @@ def _split(name: str, shape: tuple[int, ...], lay: Layout) -> tuple[str, int, in
     return kind, 0, 0, 0
 
 
+_OUT_KINDS = (Q_ROWS, KV_ROWS, MLP_ROWS)  # the weight split by output rows; else by input columns
+
+
+def _axes(name: str, shape: tuple[int, ...], lay: Layout) -> dict[str, tuple[int, int, str]]:
+    """Where a quantized projection's tensor holds the weight's output ("out") and input ("in")
+    axes: {axis: (dim, weight elements per entry, the config field that sets that number)}."""
+    sch, suffix = lay.scheme, name.rsplit(".", 1)[1]
+    if sch is None:
+        raise ValueError(f"tensor {name!r} holds quantization data, and config.json has no quantization_config; "
+                         "re-export the checkpoint with its quantization_config")
+    g = (sch.group_size, "quantization_config.group_size")
+    word = (8, "quantization_config.bits (eight 4-bit values per int32 word)")
+    if suffix == "weight_scale":
+        return {"out": (0, 1, "")} if len(shape) == 2 and shape[0] > 1 else {}
+    if suffix == "weight_scale_inv":
+        bn, bk = sch.block or (1, 1)
+        return {"out": (0, bn, "quantization_config.weight_block_size"),
+                "in": (1, bk, "quantization_config.weight_block_size")}
+    if suffix in ("qzeros", "scales"):
+        return {"in": (0, *g), "out": (1, *(word if suffix == "qzeros" else (1, "")))}
+    if suffix == "qweight":
+        return {"in": (0, 1, ""), "out": (1, *word)} if sch.method == "awq" else {"in": (0, *word), "out": (1, 1, "")}
+    if suffix == "g_idx":
+        return {"in": (0, 1, "")}
+    return {}  # input_scale, weight_zero_point: one value
+
+
+def _quant_slice(name: str, shape: tuple[int, ...], lay: Layout, rank: int) -> tuple[str, int, int, int]:
+    """(kind, dim, start, length) of rank ``rank``'s slice of a quantized projection's tensor, in
+    its own entries (see the module's docstring); ValueError naming the field where a slice would
+    not start and end on an entry's boundary."""
+    kind = rule(name)
+    _, _, unit, units = _split(name.rsplit(".", 1)[0] + ".weight", _weight_shape(kind, lay), lay)
+    axis = "out" if kind in _OUT_KINDS else "in"
+    where = _axes(name, shape, lay).get(axis)
+    if where is None:
+        return REPLICATED, 0, 0, 0
+    dim, per, field = where
+    if per == -1:  # group_size -1: one group spans the whole input
+        per = _weight_shape(kind, lay)[1]
+    first = lay.kv_start(rank) if kind == KV_ROWS else rank * units
+    start, length = first * unit, units * unit
+    what = "output rows" if axis == "out" else "input columns"
+    if start % per or length % per:
+        raise ValueError(f"tensor {name!r}: rank {rank}'s slice ({what} {start}..{start + length}) would cut the "
+                         f"{per}-element units of {field}; choose a number of ranks whose slices keep them whole, "
+                         "or serve the model on one device")
+    if len(shape) <= dim or shape[dim] != -(-_weight_shape(kind, lay)[0 if axis == "out" else 1] // per):
+        raise ValueError(f"tensor {name!r} has shape {list(shape)}: dimension {dim} does not match its weight's "
+                         f"{what} for config.json's sizes and quantization_config")
+    return kind, dim, start // per, length // per
+
+
+def _slice(name: str, shape: tuple[int, ...], lay: Layout, rank: int) -> tuple[str, int, int, int]:
+    """(kind, dim, start, length) of rank ``rank``'s slice of tensor ``name`` (length: the slice's
+    size along dim, the same on every rank)."""
+    if _QUANT.search(name):
+        return _quant_slice(name, shape, lay, rank)
+    kind, dim, unit, units = _split(name, shape, lay)
+    first = lay.kv_start(rank) if kind == KV_ROWS else rank * units
+    return kind, dim, first * unit, units * unit
+
+
+def _rebased_groups(name: str, g_idx: Any, start: int, length: int, lay: Layout) -> Any:
+    """A row-parallel GPTQ g_idx slice, counting groups from the rank's first; ValueError where a
+    row's group lies outside the rank's rows (groups not in row order)."""
+    group = lay.scheme.group_size
+    out = g_idx - start // group
+    if int(out.min()) < 0 or int(out.max()) >= length // group:
+        raise ValueError(f"tensor {name!r}: its groups are not in row order (act-order), so its input rows "
+                         "cannot be split over ranks (quantization_config.desc_act); serve it on one device")
+    return out
+
+
+def _weight_shape(kind: str, lay: Layout) -> tuple[int, int]:
+    """A projection weight's [out, in] for the kind of split it gets (the checked sizes of config.json)."""
+    q, kv, hidden = lay.heads * lay.head_dim, lay.kv_heads * lay.head_dim, 0  # (hidden: never split)
+    rows = {Q_ROWS: q, KV_ROWS: kv, MLP_ROWS: lay.intermediate}
+    cols = {Q_COLUMNS: q, MLP_COLUMNS: lay.intermediate}
+    return (rows[kind], hidden) if kind in rows else (hidden, cols[kind])
+
+
 def shard_shape(name: str, shape: tuple[int, ...], lay: Layout) -> tuple[int, ...]:
-    """The shape of every rank's slice of tensor ``name`` of ``shape`` (the same on every rank)."""
-    kind, dim, unit, units = _split(name, tuple(shape), lay)
+    """The shape of every rank's slice of tensor ``name`` of ``shape`` (the same on every rank);
+    ValueError where a rank's slice of a quantized tensor would cut its units."""
+    for rank in range(lay.size):  # (each rank's bounds checked once, here, before anything is written)
+        kind, dim, _, length = _slice(name, tuple(shape), lay, rank)
     if kind in (FIRST, REPLICATED):
         return tuple(shape)
-    return tuple(unit * units if d == dim else n for d, n in enumerate(shape))
+    return tuple(length if d == dim else n for d, n in enumerate(shape))
 
 
 def shard(name: str, t: Any, lay: Layout, rank: int) -> Any:
     """Rank ``rank``'s slice of tensor ``t`` (a torch.Tensor named ``name``): a view of ``t`` where
     it can be (rows; columns are a strided view), a new tensor for the vocabulary's zero-padded
-    last rows and for the zeros of a row-parallel bias on ranks other than 0."""
+    last rows, for the zeros of a row-parallel bias on ranks other than 0 and for a row-parallel
+    GPTQ g_idx (rebased to the rank's first group)."""
     if not 0 <= rank < lay.size:
         raise ValueError(f"rank {rank} is outside 0..{lay.size - 1}")
-    kind, dim, unit, units = _split(name, tuple(t.shape), lay)
+    kind, dim, start, length = _slice(name, tuple(t.shape), lay, rank)
     if kind == REPLICATED:
         return t
     if kind == FIRST:
         return t if rank == 0 else t.new_zeros(t.shape)
-    first = lay.kv_start(rank) if kind == KV_ROWS else rank * units
-    start, length = first * unit, units * unit
     have = max(0, min(length, t.shape[dim] - start))  # < length only in the vocabulary's padding
     if have == length:
-        return t.narrow(dim, start, length)
+        out = t.narrow(dim, start, length)
+        if name.endswith(".g_idx"):
+            out = _rebased_groups(name, out, start, length, lay)
+        return out
     out = t.new_zeros(shard_shape(name, tuple(t.shape), lay))
     if have:
         out.narrow(dim, 0, have).copy_(t.narrow(dim, start, have))

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 SUBDIR = "kernels"
 MANIFEST = "manifest.json"
-_CODE = ("triton_jit.py", "ops.py", "policy.py")  # the files whose code the compiled kernels and verdicts follow
+# the files whose code the compiled kernels and verdicts follow
+_CODE = ("triton_jit.py", "ops.py", "policy.py", "quant_jit.py", "quant.py")
 _PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 
 

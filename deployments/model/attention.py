@@ -62,11 +62,24 @@ class AttnContext:
         return self.slots if self.slots is not None else torch.tensor([self.slot], device=device)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ctx: AttnContext | None) -> torch.Tensor:
-    """F.linear, or the Triton GEMV for one row when the model chose it for w's shape."""
+def linear(x: torch.Tensor, w: torch.Tensor | nn.Module, b: torch.Tensor | None, ctx: AttnContext | None
+           ) -> torch.Tensor:
+    """F.linear, or the Triton GEMV for one row when the model chose it for w's shape. ``w`` may
+    be a layer that multiplies by its own weight instead (a quantized projection's, or fused ones':
+    deployments.model.quant); ``b`` is then None (the layer adds its own)."""
+    if isinstance(w, nn.Module):
+        return w(x)
     if ctx is not None and ctx.gemv and x.numel() == x.shape[-1] and tuple(w.shape) in ctx.gemv:
         return ops.gemv(x, w, b)
     return F.linear(x, w, b)
+
+
+def project(x: torch.Tensor, layer: nn.Module, ctx: AttnContext | None) -> torch.Tensor:
+    """``x`` times a projection layer: a plain one's weight through `linear` (the GEMV choice), a
+    quantized one by its own product."""
+    if isinstance(layer, nn.Linear):
+        return linear(x, layer.weight, layer.bias, ctx)
+    return layer(x)
 
 
 def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_add: torch.Tensor,
@@ -109,8 +122,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(D, Dkv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(Dq, D, bias=cfg.o_bias)
         # [Dq + 2*Dkv, D] view over q/k/v when the loader placed them back to back
-        # (the packer does): one matmul instead of three, no copy (see fuse_projections)
-        self.qkv_w: torch.Tensor | None = None
+        # (the packer does): one matmul instead of three, no copy (see fuse_projections);
+        # for quantized projections, a layer over such views (deployments.model.quant)
+        self.qkv_w: torch.Tensor | nn.Module | None = None
         self.qkv_b: torch.Tensor | None = None
 
     def _sdpa(self, q, k, v, mask) -> torch.Tensor:
@@ -141,7 +155,7 @@ class Attention(nn.Module):
             mask = ctx.masks.get(self.window) if ctx.masks else None
             k, v = self._cached(ctx, B)
             out = self._decode_attn(q.view(B, H, 1, Dh), k, v, mask)
-        return linear(out.view(B, 1, H * Dh), self.o_proj.weight, self.o_proj.bias, ctx)
+        return project(out.view(B, 1, H * Dh), self.o_proj, ctx)
 
     def _prefill_fused(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """A prefill into a paged cache on the Triton path: rope_store_kv ropes q and k of every
@@ -165,7 +179,7 @@ class Attention(nn.Module):
         k, v = cache.read(self.layer_idx, at["rows"], ctx.start + S, blocks=at["read"])
         mask = ctx.masks.get(self.window) if ctx.masks else None
         out = self._sdpa(q.view(B, S, H, Dh).transpose(1, 2), k, v, mask)  # [B, H, S, Dh]
-        return linear(out.transpose(1, 2).reshape(B, S, H * Dh), self.o_proj.weight, self.o_proj.bias, ctx)
+        return project(out.transpose(1, 2).reshape(B, S, H * Dh), self.o_proj, ctx)
 
     def _cached(self, ctx: AttnContext, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's keys and values 0..kv_len-1 of cache slots 0..B-1: views of a static
@@ -190,7 +204,7 @@ class Attention(nn.Module):
                 return self._prefill_fused(x, ctx)
         cos, sin = ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2)  # [B, S, 1, Dh]; sin sign-folded
         if self.qkv_w is not None:
-            qkv = F.linear(x, self.qkv_w, self.qkv_b)  # [B, S, (H + 2 Hkv) Dh]
+            qkv = linear(x, self.qkv_w, self.qkv_b, None)  # [B, S, (H + 2 Hkv) Dh]
             # q and k lie side by side: rotate both heads' sets in one pass
             qk = _rope(qkv[..., : (H + Hkv) * Dh].view(B, S, H + Hkv, Dh), cos, sin)
             q, k = qk[:, :, :H], qk[:, :, H:]

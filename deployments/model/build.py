@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from deployments.kernels import policy
+from deployments.kernels import quant as quant_kernels
 from deployments.model.config import (NATIVE_ARCHITECTURES, SILU_ACTIVATIONS, ModelConfig, architecture,
                                       native_blockers, unread_fields)
 from deployments.model.fused import fuse_projections
 from deployments.model.llama import Transformer
+from deployments.model.quant import QuantLinear, kernel_specs, method_for, quant_layers, quantized_projections
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -40,8 +42,9 @@ def gemv_groups(model: Transformer) -> dict[str, list[tuple[torch.Tensor, torch.
     ``kernels.policy.gemv_choice`` times. Weights with strided rows are left out."""
     groups: dict[tuple[int, int], dict] = {}
 
-    def add(name: str, w: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        if w is not None and w.stride(1) == 1:
+    def add(name: str, w: Any, b: torch.Tensor | None) -> None:
+        # (a quantized layer, fused or not, is no matrix: its scheme's kernels run it)
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dtype.itemsize > 1 and w.stride(1) == 1:
             g = groups.setdefault(tuple(w.shape), {"names": [], "pairs": []})
             if name not in g["names"]:
                 g["names"].append(name)
@@ -49,15 +52,29 @@ def gemv_groups(model: Transformer) -> dict[str, list[tuple[torch.Tensor, torch.
     for la in model.model.layers:
         at, mlp = la.self_attn, la.mlp
         add("qkv", at.qkv_w, at.qkv_b)
-        add("o_proj", at.o_proj.weight, at.o_proj.bias)
+        add("o_proj", _plain(at.o_proj), at.o_proj.bias)
         add("gate_up", mlp.gate_up_w, mlp.gate_up_b)
-        add("down_proj", mlp.down_proj.weight, mlp.down_proj.bias)
+        add("down_proj", _plain(mlp.down_proj), mlp.down_proj.bias)
     add("lm_head", model.lm_head.weight, None)
     return {"+".join(g["names"]): g["pairs"] for g in groups.values()}
 
 
+def _plain(layer: nn.Module) -> torch.Tensor | None:
+    """A projection's weight where it is a plain matrix (None for a quantized layer's)."""
+    return layer.weight if isinstance(layer, nn.Linear) else None
+
+
 def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _quant_tensor(model: Transformer, name: str) -> bool:
+    """Whether tensor ``name`` belongs to a quantized projection (its dtypes are the scheme's)."""
+    mod_name = name.rpartition(".")[0]
+    try:
+        return isinstance(model.get_submodule(mod_name), QuantLinear)
+    except AttributeError:
+        return False
 
 
 def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], *, rope_len: int | None = None,
@@ -78,10 +95,15 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
 
         parallel = tensor_parallel(config, tp)
     cfg = ModelConfig.from_hf(config if parallel is None else rank_config(config, parallel.size))
+    given = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF checkpoints
+    method = method_for(cfg.quantization) if cfg.quantization else None
     with torch.device("meta"):
         model = Transformer(cfg)
+        n_quant = quantized_projections(model, method, given) if method else 0
+    if method:
+        log.info("%s: %d of %d projections quantized", cfg.quantization.describe(), n_quant,
+                 7 * cfg.num_hidden_layers)
     expected = _expected_shapes(model)
-    given = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}  # old HF checkpoints
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = sorted(k for k in expected if k not in given and k not in optional)
     unexpected = sorted(k for k in given if k not in expected)
@@ -103,7 +125,7 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     devices = {t.device for t in given.values()}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    dtypes = {t.dtype for t in given.values()}
+    dtypes = {t.dtype for k, t in given.items() if not _quant_tensor(model, k)}
     if len(dtypes) > 1:
         log.warning("checkpoint mixes dtypes %s; the model computes in the embedding's dtype", sorted(map(str, dtypes)))
     # Assign, never copy: each parameter becomes the given tensor (a view of the loader's buffer).
@@ -112,6 +134,9 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
             continue
         mod_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(mod_name), leaf, nn.Parameter(given[name], requires_grad=False))
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            mod.method.check(mod, name)
     if cfg.tie_word_embeddings:  # HF ties even when lm_head.weight is stored
         model.lm_head.weight = model.model.embed_tokens.weight
     model.tp = parallel
@@ -121,8 +146,16 @@ def build_native(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
     c = model.config
     model.kernels = policy.choose((c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
                                    c.head_dim), model.dtype, model.device, lambda: gemv_groups(model),
-                                  one_dtype=all(t.dtype == model.dtype for t in model.parameters()))
+                                  one_dtype=all(t.dtype == model.dtype for n, t in model.named_parameters()
+                                                if not _quant_tensor(model, n)))
     model.build_s.update(model.kernels.seconds)
+    if method:
+        # the dequantize-then-matmul path's copy of one layer: its fp32 intermediates and the result
+        widest = max(m.in_features * m.out_features for _, m in quant_layers(model))
+        model.transient_weight_bytes = widest * (method.dequant_bytes + model.dtype.itemsize)
+        method.kernels = quant_kernels.choose(kernel_specs(model), model.dtype, model.device)
+        model.build_s.update(method.kernels.seconds)
+        log.info("quantized layers: %s", method.kernels.describe())
     if cfg.hidden_act not in SILU_ACTIVATIONS:
         log.info("hidden_act=%r: the MLP computes it with torch kernels (the fused SwiGLU kernel is SiLU only)",
                  cfg.hidden_act)

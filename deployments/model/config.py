@@ -49,7 +49,9 @@ through transformers, one warning. UNREAD: transformers' class ignores it too, s
   logit_scale, scale_emb, scale_depth, dim_model_base, clip_qkv, qk_layernorm, use_qk_norm, no_rope_layers,
   hidden_activation               UNREAD (other classes')
   auto_map                        UNREAD (no repository code runs; transformers' own class is the reference)
-  quantization_config             REFUSED (neither path dequantizes; the fallback builds the bare class)
+  quantization_config             NATIVE fp8 (compressed-tensors float-quantized, fbgemm_fp8, block-wise fp8),
+                                  awq (gemm), gptq (``weights.quant.scheme_of``; the layers: deployments.model.quant);
+                                  any other scheme or option REFUSED naming the field; the fallback refuses them all
   pretraining_tp                  NO MATH (unread by transformers 5; older ones split the same matmuls)
   attention_dropout               NO MATH (eval; the fallback's model is in eval mode)
   torch_dtype / dtype             NO MATH (the tensors' dtype is the compute dtype)
@@ -66,6 +68,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+
+from weights.quant import QuantScheme, scheme_of
 
 NATIVE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -227,6 +231,7 @@ class ModelConfig:
     # Per layer: sliding-window size or None (full attention). Mistral: all layers;
     # Qwen2: layers >= max_window_layers when use_sliding_window.
     layer_windows: list = field(default_factory=list)
+    quantization: QuantScheme | None = None  # the projections' scheme (deployments.model.quant); None: plain
     # derived
     n_rep: int = field(init=False)
     rope_type: str = field(init=False)
@@ -284,11 +289,7 @@ class ModelConfig:
         if why:
             raise ValueError("config.json cannot be served by the native decoder: " + "; ".join(why)
                              + " (deployments.model.build_model serves it through transformers)")
-        quant = cfg.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
-            raise ValueError(f"config `quantization_config` (quant_method={method!r}): quantized checkpoints are not "
-                             "supported (neither the native decoder nor the transformers fallback dequantizes)")
+        quant = scheme_of(cfg)  # ValueError naming the field of a scheme not read here
         arch = architecture(cfg)
         n_layers = _need(cfg, "num_hidden_layers")
         defaults = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
@@ -332,6 +333,7 @@ class ModelConfig:
             mlp_bias=llama and bool(cfg.get("mlp_bias", False)),
             hidden_act=cfg.get("hidden_act") or "silu",
             layer_windows=windows,
+            quantization=quant,
         )
 
 

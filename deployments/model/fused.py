@@ -1,11 +1,16 @@
 """Fused projections as views: q/k/v and gate/up as one matrix each, where the packer laid
-their weights back to back in the loader's buffer (no copy; one matmul instead of three)."""
+their weights back to back in the loader's buffer (no copy; one matmul instead of three).
+Quantized projections fuse where their scheme can read the parts as one layer
+(``QuantMethod.fuse``: fp8 weights as a view, their scales copied, as the biases are)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from torch import nn
+
+from deployments.model.quant import QuantLinear
 
 
 def adjacent_view(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -41,6 +46,9 @@ def refresh_copies(model: Any) -> int:
     n = 0
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
+        for fused in (a.qkv_w, m.gate_up_w):
+            if isinstance(fused, QuantLinear):
+                n += fused.method.refresh_fused(fused)
         for fused, parts in ((a.qkv_b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
                              (m.gate_up_b, [m.gate_proj.bias, m.up_proj.bias])):
             if fused is not None and adjacent_view(parts) is None:
@@ -55,12 +63,20 @@ def fuse_projections(model: Any) -> int:
     n = 0
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        a.qkv_w = adjacent_view([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        if a.qkv_w is not None:
-            a.qkv_b = _bias([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            n += 1
-        m.gate_up_w = adjacent_view([m.gate_proj.weight, m.up_proj.weight])
-        if m.gate_up_w is not None:
-            m.gate_up_b = _bias([m.gate_proj.bias, m.up_proj.bias])
-            n += 1
+        for owner, w, b, parts in ((a, "qkv_w", "qkv_b", [a.q_proj, a.k_proj, a.v_proj]),
+                                   (m, "gate_up_w", "gate_up_b", [m.gate_proj, m.up_proj])):
+            if all(type(p) is nn.Linear for p in parts):
+                fused = adjacent_view([p.weight for p in parts])
+                if fused is not None:
+                    setattr(owner, w, fused)
+                    setattr(owner, b, _bias([p.bias for p in parts]))
+            elif all(isinstance(p, QuantLinear) and p.method is parts[0].method for p in parts):
+                stored = [getattr(p, "weight", None) for p in parts]  # (fp8's; int4 layers have none)
+                fused = parts[0].method.fuse(parts, None if None in stored else adjacent_view(stored))
+                # held outside the module tree: its tensors are the parts' views (and a copy of their
+                # scales), not parameters of their own
+                owner.__dict__[w] = fused
+            else:
+                fused = None
+            n += fused is not None
     return n

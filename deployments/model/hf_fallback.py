@@ -161,9 +161,17 @@ def build_hf_model(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor
     reference=True only changes the log line (benchmarks build it on purpose); `why` is the
     reason the native decoder does not serve it, for that line (build_model passes
     deployments.model.config.native_blockers').
-    Raises ValueError listing missing checkpoint tensors.
+    Raises ValueError listing missing checkpoint tensors, and for a quantized checkpoint (it
+    would build the bare class and multiply packed integers as if they were weights).
     """
     arch = (config.get("architectures") or ["?"])[0]
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        raise ValueError(f"{arch}: config.json's quantization_config (quant_method={method!r}) cannot be served "
+                         "through transformers here (the fallback builds the bare class and does not dequantize); "
+                         "quantized checkpoints are served by the native decoder only (Llama, Mistral, Qwen2), or "
+                         "pack an fp16/bf16 copy of this model")
     t0 = time.perf_counter()
     if reference:
         log.info("building transformers' %s as a reference", arch)

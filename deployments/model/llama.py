@@ -31,7 +31,7 @@ from torch import nn
 
 from deployments.kernels import ops, policy
 from deployments.kernels.policy import KernelPlan
-from deployments.model.attention import Attention, AttnContext, attention_backends, linear
+from deployments.model.attention import Attention, AttnContext, attention_backends, linear, project
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
 from deployments.model.fused import refresh_copies
 from deployments.model.kv_cache import KVCache, PagedKVCache
@@ -61,7 +61,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(D, F_, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(F_, D, bias=cfg.mlp_bias)
-        self.gate_up_w: torch.Tensor | None = None  # [2F, D] view, as Attention.qkv_w
+        self.gate_up_w: torch.Tensor | nn.Module | None = None  # [2F, D] view, as Attention.qkv_w
         self.gate_up_b: torch.Tensor | None = None
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.silu = cfg.hidden_act in SILU_ACTIVATIONS  # the fused kernel computes SiLU only
@@ -74,9 +74,9 @@ class MLP(nn.Module):
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 h = self.act(gate) * up
-            return linear(h, self.down_proj.weight, self.down_proj.bias, ctx)
+            return project(h, self.down_proj, ctx)
         if self.gate_up_w is not None:
-            gate, up = F.linear(x, self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)  # [B, S, F] each
+            gate, up = linear(x, self.gate_up_w, self.gate_up_b, None).chunk(2, dim=-1)  # [B, S, F] each
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act(gate) * up)
@@ -125,6 +125,9 @@ class Transformer(nn.Module):
         self.kernels = KernelPlan()  # the Triton kernels it runs on CUDA (set by the build: kernels.policy)
         self.tp: TensorParallel | None = None  # a tensor-parallel rank's collectives (set by the build)
         self.build_s: dict[str, float] = {}  # the build's steps, seconds (assemble, kernel tests, GEMV choice)
+        # bytes a forward may allocate for one layer's weight beside its activations (set by the build: a
+        # quantized layer that dequantizes, then multiplies; deployments.model.quant)
+        self.transient_weight_bytes = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -182,11 +185,13 @@ class Transformer(nn.Module):
         cache: ``tokens`` rows through a layer (the residual, its norm, q/k/v, the attention's
         output and the MLP's gate, up and product), ``gathered`` cached positions' keys and values
         read back for its attention (a chunk past a prefix), and the head's ``logit_rows`` logits
-        (with their fp32 copy for sampling). Layers run one after another, so one layer's worth."""
+        (with their fp32 copy for sampling), and ``transient_weight_bytes``. Layers run one after
+        another, so one layer's worth."""
         c, size = self.config, self.dtype.itemsize
         kv = c.num_key_value_heads * c.head_dim
         per_token = 4 * c.hidden_size + c.num_attention_heads * c.head_dim + 2 * kv + 3 * c.intermediate_size
-        return (tokens * per_token + gathered * 2 * kv) * size + logit_rows * c.vocab_size * (size + 4)
+        return ((tokens * per_token + gathered * 2 * kv) * size + logit_rows * c.vocab_size * (size + 4)
+                + self.transient_weight_bytes)
 
     def check_paged_kernels(self, cache: PagedKVCache) -> float:
         """Keep the decode kernels whose paged variants pass their test at ``cache``'s geometry

@@ -22,7 +22,7 @@ DEMO_DIR = Path("weights/demo")
 def _cmd_pack(a: argparse.Namespace) -> int:
     from weights import PackOptions, pack
     opts = PackOptions(dtype=a.dtype, force=a.force, chunk_bytes=a.chunk_mib << 20,
-                       progress=not a.quiet, tp=a.tp)
+                       progress=not a.quiet, tp=a.tp, quantize=a.quantize)
     dest = pack(a.src, a.dest, opts)
     _print_packed(dest, "packed", opts.tp)
     return 0
@@ -30,19 +30,22 @@ def _cmd_pack(a: argparse.Namespace) -> int:
 
 def _print_packed(dest: Path, what: str, tp: int) -> None:
     from weights import read_packed
+    from weights.quant import describe_packed
     if tp == 1:
         pf = read_packed(dest)
-        print(f"{what} {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, into {dest} "
-              f"(digest {pf.digest[:16]})")
+        print(f"{what} {len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB{describe_packed(pf.index.metadata)}, "
+              f"into {dest} (digest {pf.digest[:16]})")
         return
     from weights.tp import rank_path
     pfs = [read_packed(rank_path(dest, k)) for k in range(tp)]
     print(f"{what} {len(pfs[0].tensors)} tensors split over {tp} ranks, {pfs[0].data_bytes / 1e9:.3f} GB per "
-          f"rank, into {dest}/rank-0 ... rank-{tp - 1} (digests {', '.join(pf.digest[:16] for pf in pfs)})")
+          f"rank{describe_packed(pfs[0].index.metadata)}, into {dest}/rank-0 ... rank-{tp - 1} "
+          f"(digests {', '.join(pf.digest[:16] for pf in pfs)})")
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
     from weights import verify
+    from weights.quant import describe_packed
     bar = None
     if sys.stderr.isatty() and not a.quiet:
         from tqdm import tqdm
@@ -66,15 +69,17 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     for r in getattr(report, "ranks", [report]):  # a split pack's: one line per rank
         pf = r.packed
         rank = f"rank {pf.tp['rank']} of {pf.tp['size']}, " if pf.tp else ""
-        print(f"ok: {pf.path} ({rank}{len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB, "
-              f"{len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
+        print(f"ok: {pf.path} ({rank}{len(pf.tensors)} tensors, {pf.data_bytes / 1e9:.3f} GB"
+              f"{describe_packed(pf.index.metadata)}, {len(pf.index.chunk_sums)} chunks, digest {pf.digest[:16]})")
     return 0
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
     from weights import make_demo
-    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force, layers=a.layers, tp=a.tp)
+    dest = make_demo(a.dest, a.shape, device=a.device, seed=a.seed, force=a.force, layers=a.layers, tp=a.tp,
+                     quant=a.quant)
     layers = f" ({a.layers} layers)" if a.layers else ""
+    layers += f", {a.quant}" if a.quant else ""
     if a.tp > 1:
         _print_packed(dest, f"wrote a random {a.shape}{layers} model, packed:", a.tp)
     else:
@@ -396,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="split over N tensor-parallel ranks: DEST/rank-K/model.cst for each rank K")
+    p.add_argument("--quantize", choices=["fp8"],
+                   help="fp8: store every layer's projection weights as float8_e4m3fn with one scale per output "
+                        "channel (from an fp16/bf16/fp32 checkpoint)")
     p.set_defaults(fn=_cmd_pack)
 
     p = sub.add_parser("verify", help="check a packed model's structure and checksums")
@@ -420,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="write the model packed and split over N tensor-parallel ranks (as `pack --tp N` of "
                         "the checkpoint), not the checkpoint")
+    from weights.quantize import DEMO_FORMATS
+    p.add_argument("--quant", choices=list(DEMO_FORMATS),
+                   help="write the checkpoint quantized in this format (random weights in its layout)")
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("serve", help="`serve run` the config (making the demo model if it serves the demo)")

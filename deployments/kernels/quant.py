@@ -1,0 +1,229 @@
+"""Quantized projections' kernels, with their torch references (``WeightSpec`` describes one
+layer's stored tensors, in the layouts of ``weights.quant``'s docstring):
+
+- `dequantize`      the weight as a plain [N, K] matrix: the reference every kernel is tested against,
+                    and the CPU's path (dequantize, then matmul: a transient copy of one layer);
+- `wo_matmul`       weight-only Triton matmul for a decode step's rows (batch 1 up to
+                    ``WO_MAX_ROWS``): the stored weight read once, dequantized in registers;
+- `fp8_scaled_mm`   an fp8 tensor-core matmul (``torch._scaled_mm``, Hopper and Ada) for wider
+                    batches and prefill: activations quantized per row on the fly, the weight's
+                    per-channel (or per-tensor) scale applied by the matmul.
+
+`choose` decides which a model uses, once per node (``policy.kept_test``): each kernel is run on
+the model's own layers and compared with `dequantize`; one that fails or disagrees is left out
+with a log line, and the layer keeps the dequantize-then-matmul path. Block sizes are fixed from
+the shapes (no autotuning: compile time counts at a replica's start)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from deployments.kernels import ops, policy
+from weights.quant import AWQ_ORDER, FP8_MAX
+
+if ops.triton is not None:
+    from deployments.kernels.quant_jit import _wo_matmul_kernel
+
+log = logging.getLogger(__name__)
+
+FP8_TENSOR, FP8_CHANNEL, FP8_BLOCK, AWQ, GPTQ = range(5)
+WO_MAX_ROWS = 64  # rows up to which the weight-only kernel runs (a decode step's batch); wider: fp8 / dequantize
+
+
+@dataclass
+class WeightSpec:
+    """One quantized layer's stored tensors (views of the loaded buffer) and how to read them."""
+
+    scheme: int  # FP8_TENSOR .. GPTQ
+    n: int  # out_features
+    k: int  # in_features
+    q: torch.Tensor  # fp8 weight [N, K]; AWQ qweight [K, N/8]; GPTQ qweight [K/8, N]
+    s: torch.Tensor  # fp8: weight_scale [N, 1] / [1] or weight_scale_inv [N/bn, K/bk]; int4: scales [K/G, N]
+    z: torch.Tensor | None = None  # int4 qzeros [K/G, N/8]
+    g_idx: torch.Tensor | None = None  # GPTQ: each input row's group [K]
+    group: int = 0  # int4: input rows per group
+    block: tuple[int, int] = (0, 0)  # FP8_BLOCK: (rows, columns) per scale
+    zero_offset: int = 0  # GPTQ checkpoint_format "gptq": stored zero points lack 1
+
+
+@dataclass
+class QuantKernels:
+    """Which kernels a quantized model's layers run (all False: dequantize, then matmul)."""
+
+    weight_only: bool = False
+    scaled_mm: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        used = [n for n, on in (("Triton weight-only", self.weight_only), ("fp8 _scaled_mm", self.scaled_mm)) if on]
+        return ", ".join(used) + " (else dequantize + matmul)" if used else "dequantize + matmul"
+
+
+def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """The inverse of ``weights.quant.pack_int4``: int32 words -> eight values (0..15, int32)
+    each along ``dim``, element 8 j + order[i] from nibble i of word j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    x = packed.movedim(dim, -1)
+    nib = (x.unsqueeze(-1) >> shifts) & 0xF  # [..., words, 8]: nibble i
+    inv = [0] * 8
+    for i, j in enumerate(order):
+        inv[j] = i
+    return nib[..., inv].reshape(*x.shape[:-1], -1).movedim(-1, dim)
+
+
+def _groups(spec: WeightSpec) -> torch.Tensor:
+    if spec.g_idx is not None:
+        return spec.g_idx.long()
+    return torch.arange(spec.k, device=spec.q.device) // spec.group
+
+
+def dequantize(spec: WeightSpec, dtype: torch.dtype) -> torch.Tensor:
+    """The weight [N, K] in ``dtype``, computed in fp32 and rounded once."""
+    if spec.scheme in (FP8_TENSOR, FP8_CHANNEL):
+        return (spec.q.float() * spec.s.float().reshape(-1, 1)).to(dtype)
+    if spec.scheme == FP8_BLOCK:
+        bn, bk = spec.block
+        s = spec.s.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        return (spec.q.float() * s[: spec.n, : spec.k]).to(dtype)
+    g = _groups(spec)
+    if spec.scheme == AWQ:
+        q, z = unpack_int4(spec.q, 1, AWQ_ORDER), unpack_int4(spec.z, 1, AWQ_ORDER)[g]  # [K, N]
+    else:
+        q, z = unpack_int4(spec.q, 0), unpack_int4(spec.z, 1)[g] + spec.zero_offset
+    return ((q - z).float() * spec.s.float()[g]).t().to(dtype)
+
+
+def _ref_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, dequantize(spec, x.dtype), bias)
+
+
+def _wo_blocks(m: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows (the tensor cores' least), narrow column tiles so that
+    a 4096-wide layer spreads over 128 programs."""
+    return 16, 32, max(16, min(128, 1 << (k - 1).bit_length()))
+
+
+def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = x.reshape(-1, spec.k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
+    bm, bn, bk = _wo_blocks(M, spec.k)
+    z = spec.z if spec.z is not None else spec.q
+    gi = spec.g_idx if spec.g_idx is not None else spec.q
+    grid = (ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(M, bm))
+    _wo_matmul_kernel[grid](
+        x2, spec.q, spec.s, z, gi, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0), y.stride(0),
+        spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0, z.stride(0) if z.dim() == 2 else 0,
+        max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1), spec.zero_offset,
+        SCHEME=spec.scheme, HAS_GIDX=spec.g_idx is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return y.view(*x.shape[:-1], spec.n)
+
+
+def wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with the weight-only kernel; the reference where Triton does not run."""
+    if x.shape[-1] != spec.k:
+        raise ValueError(f"wo_matmul: x has {x.shape[-1]} columns, the layer takes {spec.k}")
+    if not ops.available(x.device):
+        return _ref_wo_matmul(x, spec, bias)
+    return _launch_wo_matmul(x, spec, bias)
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [M, K] as float8_e4m3fn, its per-row scale [M, 1] fp32): dynamic per-token quantisation."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_scaled_mm(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) on fp8 tensor cores: rows quantized per token, the weight's
+    per-channel (or per-tensor, broadcast) scales applied row-wise by ``torch._scaled_mm``. Rows
+    are padded to a multiple of 16 (its kernels' requirement)."""
+    x2 = x.reshape(-1, spec.k)
+    M = x2.shape[0]
+    pad = -M % 16
+    if pad:
+        x2 = F.pad(x2, (0, 0, 0, pad))
+    xq, xs = _quantize_rows(x2)
+    ws = spec.s.float().reshape(1, -1).expand(1, spec.n).contiguous()
+    y = torch._scaled_mm(xq, spec.q.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype,
+                         bias=bias.to(x.dtype) if bias is not None else None)
+    return y[:M].view(*x.shape[:-1], spec.n)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+
+
+def synthetic(spec: WeightSpec, seed: int = 0) -> WeightSpec:
+    """A layer of ``spec``'s scheme, shape and dtypes with random contents (valid scales, groups and
+    fp8 values): what the self-tests run on, since a model built over a buffer still loading has
+    no weights yet, and unloaded bytes may hold fp8 NaNs."""
+    dev = spec.q.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def words(t: torch.Tensor) -> torch.Tensor:
+        return torch.randint(-2**31, 2**31, t.shape, device=dev, generator=g, dtype=torch.int64).to(torch.int32)
+    if spec.q.dtype == torch.float8_e4m3fn:
+        q = (torch.randn(spec.q.shape, device=dev, generator=g) * 16).to(torch.float8_e4m3fn)
+    else:
+        q = words(spec.q)
+    s = (torch.rand(spec.s.shape, device=dev, generator=g) * 0.01 + 0.001).to(spec.s.dtype)
+    g_idx = None
+    if spec.g_idx is not None:
+        g_idx = (torch.randperm(spec.k, device=dev, generator=g) // spec.group).to(torch.int32)
+    return WeightSpec(spec.scheme, spec.n, spec.k, q, s, None if spec.z is None else words(spec.z), g_idx,
+                      spec.group, spec.block, spec.zero_offset)
+
+
+def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device) -> QuantKernels:
+    """The kernels a model whose quantized layers are ``specs`` (one per distinct shape, by a
+    name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1 and
+    ``WO_MAX_ROWS`` rows (the weight-only kernel) or 48 rows (``_scaled_mm``) and compared with
+    `dequantize`'s product; a pass is kept per node (``policy.kept_test``). Never raises."""
+    plan = QuantKernels()
+    if not specs or not ops.available(device):
+        return plan
+    where = policy.verdict_dir()
+    shapes = sorted((s.scheme, s.n, s.k, s.group, list(s.block), s.g_idx is not None) for s in specs.values())
+    t = time.perf_counter()
+    why = policy.kept_test(policy._selftest_path(["quant-wo", shapes, str(dtype)], device, where),
+                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, WO_MAX_ROWS), 2e-2))
+    plan.weight_only = why is None
+    plan.seconds["quant_kernel_test"] = time.perf_counter() - t
+    if why:
+        log.warning("Triton weight-only kernel off (%s): quantized layers dequantize, then multiply", why)
+    fp8 = all(s.scheme in (FP8_TENSOR, FP8_CHANNEL) for s in specs.values())
+    if fp8 and dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device) >= (8, 9):
+        t = time.perf_counter()
+        # activations quantized per row: a few percent of the output's range, not the kernels' rounding
+        why = policy.kept_test(policy._selftest_path(["quant-scaled-mm", shapes, str(dtype)], device, where),
+                               lambda: _test(specs, dtype, device, fp8_scaled_mm, (48,), 6e-2))
+        plan.scaled_mm = why is None
+        plan.seconds["scaled_mm_test"] = time.perf_counter() - t
+        if why:
+            log.warning("fp8 _scaled_mm off (%s): wide batches dequantize, then multiply", why)
+    return plan
+
+
+def _test(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device, fn, rows: tuple[int, ...],
+          tol: float) -> str | None:
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        for name, spec in specs.items():
+            spec = synthetic(spec)
+            for m in rows:
+                x = torch.randn(m, spec.k, device=device, generator=g).to(dtype)
+                err = _relative_error(fn(x, spec, None), _ref_wo_matmul(x, spec, None))
+                if not err <= tol:
+                    return f"{fn.__name__} on {name} ({m} rows) differs from the reference by {err:.3g} of its range"
+    except Exception as e:  # noqa: BLE001 - any failure means: don't use the kernel
+        return f"{fn.__name__}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None

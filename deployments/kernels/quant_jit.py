@@ -1,0 +1,77 @@
+"""The weight-only Triton kernel of quantized projections (``@triton.jit``), defined where Triton
+imports (``triton_jit``'s rule). ``deployments.kernels.quant`` launches it; nothing else does."""
+
+from __future__ import annotations
+
+from deployments.kernels.triton_jit import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _dequant_tile(Q, S, Z, GI, rk, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
+                      SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr):
+        # The weight's tile [BLOCK_K, BLOCK_N] (W^T[k, n] = W[n, k]) in fp32, from the stored layout
+        # (weights.quant's docstring): 0 fp8 one scale, 1 fp8 a scale per output channel, 2 fp8
+        # block scales, 3 AWQ int4, 4 GPTQ int4. Out-of-range elements are 0.
+        mask = (rk < K)[:, None] & (rn < N)[None, :]
+        if SCHEME <= 2:
+            q = tl.load(Q + rn.to(tl.int64)[None, :] * stride_q + rk[:, None], mask=mask, other=0.0).to(tl.float32)
+            if SCHEME == 0:
+                w = q * tl.load(S).to(tl.float32)
+            elif SCHEME == 1:
+                w = q * tl.load(S + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            else:
+                s = tl.load(S + (rn // bn)[None, :] * stride_s + (rk // bk)[:, None], mask=mask, other=0.0)
+                w = q * s.to(tl.float32)
+        elif SCHEME == 3:
+            # AWQ: column n at nibble (n % 8) // 2 + 4 * (n % 2) of word n // 8 (order 0 2 4 6 1 3 5 7)
+            j = rn % 8
+            shift = ((j // 2) + 4 * (j % 2)) * 4
+            word = tl.load(Q + rk.to(tl.int64)[:, None] * stride_q + (rn // 8)[None, :], mask=mask, other=0)
+            q = (word >> shift[None, :]) & 0xF
+            g = rk // group
+            zw = tl.load(Z + g[:, None] * stride_z + (rn // 8)[None, :], mask=mask, other=0)
+            z = (zw >> shift[None, :]) & 0xF
+            s = tl.load(S + g[:, None] * stride_s + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = (q - z).to(tl.float32) * s
+        else:
+            # GPTQ: row k at nibble k % 8 of word k // 8; zero points packed along n; g_idx or k // group
+            word = tl.load(Q + (rk // 8).to(tl.int64)[:, None] * stride_q + rn[None, :], mask=mask, other=0)
+            q = (word >> ((rk % 8) * 4)[:, None]) & 0xF
+            if HAS_GIDX:
+                g = tl.load(GI + rk, mask=rk < K, other=0)
+            else:
+                g = rk // group
+            zw = tl.load(Z + g[:, None] * stride_z + (rn // 8)[None, :], mask=mask, other=0)
+            z = ((zw >> ((rn % 8) * 4)[None, :]) & 0xF) + zero_offset
+            s = tl.load(S + g[:, None] * stride_s + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = (q - z).to(tl.float32) * s
+        return w
+
+    @triton.jit
+    def _wo_matmul_kernel(X, Q, S, Z, GI, BIAS, Y, M, N, K, stride_xm, stride_ym, stride_q, stride_s, stride_z,
+                          group, bn, bk, zero_offset, SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        # Y [M, N] = X [M, K] @ W^T (+ bias): the weight read once per BLOCK_M rows in its stored
+        # form and dequantized in registers (a decode step reads 2 / 4 times fewer bytes than fp16),
+        # rounded to X's dtype as the torch reference rounds the dequantized weight, then one
+        # tensor-core product per tile with fp32 accumulation.
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
+                        mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+            w = _dequant_tile(Q, S, Z, GI, rk, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
+                              SCHEME, HAS_GIDX).to(X.dtype.element_ty)
+            if X.dtype.element_ty == tl.float32:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
