@@ -277,3 +277,12 @@ def test_a_refused_credential_names_the_source_never_the_secret(chunked, tmp_pat
         assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
         assert _same(load("s3://locked/tiny", "cpu", cache=cache), load(chunked, "cpu"))
+
+
+def test_a_source_slower_than_the_timeout_fails_saying_so(served, tmp_path):
+    from weights import LoadOptions
+    served.fault(delay_s=3)
+    cache = NodeCache(tmp_path / "cache")
+    with pytest.raises(RemoteError, match=r"tiny/model.cst.*too slowly.*load.remote_timeout_s \(now 1 s"):
+        load(f"{served.url}/tiny", "cpu", cache=cache, options=LoadOptions(remote_timeout_s=1.0))
+    assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)

@@ -34,7 +34,7 @@ import numpy as np
 from .cache import NodeCache, partial_name, publish_file
 from .format import (SIDE_FILES, TP_MANIFEST, WEIGHTS_FILE, PackedFile, PackedFormatError,
                      file_sha256, parse_packed, rank_dir)
-from .remote import Origin, RemoteError, check_uri, model_name
+from .remote import Origin, RemoteError, Timeouts, check_uri, model_name
 
 log = logging.getLogger(__name__)
 
@@ -329,17 +329,18 @@ def _key_of(origin: Origin, rank: int | None, packed: PackedFile) -> tuple[str, 
     return hashlib.sha256(manifest).hexdigest()[:16], manifest
 
 
-def resolve(uri: str, cache: NodeCache, *, rank: int | None = None,
-            peers: Peers | None = None) -> "Path | Fetch":
+def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers | None = None,
+            timeout_s: float = Timeouts.request_s) -> "Path | Fetch":
     """The local entry holding ``uri`` as it is at its source now, or the ``Fetch`` that brings it
     (see the module's docstring). ``rank``: one rank's file of a split pack (its side files and
     ``tp.json`` come with it). Where the source cannot be reached but the node holds an earlier
-    copy, that copy is used with a warning naming the source and the error."""
+    copy, that copy is used with a warning naming the source and the error. ``timeout_s``: one
+    request to the source (a piece's ranged GET) may take this long before it counts as failed."""
     uri = check_uri(uri)
     name = model_name(uri)
     rel = weight_rel(rank)
     try:
-        origin = Origin(uri)
+        origin = Origin(uri, Timeouts(request_s=timeout_s))
         if rank is None and not origin.exists(WEIGHTS_FILE) and origin.exists(TP_MANIFEST):
             raise PackedFormatError(f"{uri}: a tensor-parallel pack ({TP_MANIFEST}); serve it with args.tp set to "
                                     "its number of ranks")

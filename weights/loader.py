@@ -224,7 +224,7 @@ def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | N
     fetch = None
     if isinstance(path, str) and is_remote(path):
         with timer.phase("resolve"):
-            path = resolve(path, cache or NodeCache(default_root()), rank=rank)
+            path = resolve(path, cache or NodeCache(default_root()), rank=rank, timeout_s=opts.remote_timeout_s)
         from_cache = True
     if isinstance(path, Fetch):
         fetch, path = path, path.entry

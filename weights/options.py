@@ -39,6 +39,10 @@ class LoadOptions(BaseModel):
     trickle_read_bytes: int = 1 << 20
     """The trickle's one read at a time (a multiple of 4096): a page fault of the imports beside it
     waits for one such read at most."""
+    remote_timeout_s: float = Field(60.0, gt=0)
+    """A remote model (``s3://``, ``https://``): seconds one ranged read of a piece (16 MiB) may take
+    before it counts as failed and the piece is asked of the next source (the default allows a
+    source as slow as 0.3 MB/s per read)."""
     direct_io: bool = False
     """Read with O_DIRECT, past the page cache (buffered reads where the filesystem refuses it)."""
     cold_direct_io: bool = False

@@ -89,6 +89,7 @@ class Origin:
     def __init__(self, uri: str, timeouts: Timeouts = Timeouts()):
         self.uri = check_uri(uri)
         self.name = self.uri
+        self.timeouts = timeouts
         self._store = _open_store(self.uri, timeouts)
 
     def __repr__(self) -> str:
@@ -100,7 +101,10 @@ class Origin:
                                "model pushed whole (`coldstart push DIR URI`)?")
         hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and that the "
                 "server is up")
-        if isinstance(e, PermissionError) or "403" in str(e) or "401" in str(e):
+        if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            hint = ("the source answered too slowly: check the network to it, or raise load.remote_timeout_s "
+                    f"(now {self.timeouts.request_s:g} s a request)")
+        elif isinstance(e, PermissionError) or "403" in str(e) or "401" in str(e):
             hint = "the credentials were refused: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the role"
         return RemoteError(f"{self.uri}/{rel}: {what} failed ({_short(e)}); {hint}")
 

@@ -192,7 +192,8 @@ class Start:
         from weights.fetch import Fetch, resolve
         cache = model_cache()
         peers = _peers(cache.root)
-        got = resolve(self.args.model, cache, rank=self.rank if self.tp > 1 else None, peers=peers)
+        got = resolve(self.args.model, cache, rank=self.rank if self.tp > 1 else None, peers=peers,
+                      timeout_s=self.opts.remote_timeout_s)
         if isinstance(got, Fetch):
             self.fetch = got
             # bytes by source and the sources dropped, as the transfer goes on (the dicts themselves)
