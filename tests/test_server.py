@@ -408,3 +408,35 @@ def test_a_fault_inside_a_stream_still_ends_it_with_its_marker(client, monkeypat
     assert events[-1] == "[DONE]" and "render broke" in json.loads(events[-2])["error"]["message"]
     monkeypatch.undo()
     assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
+
+
+def test_without_the_proxy_in_front_a_stalled_body_gets_the_replicas_408(server, client, monkeypatch):
+    """The replica's own body deadline (args.http.body_timeout_s), for a front that hands it
+    requests before their bodies (Ray's proxy without deployments.server.proxy), on real
+    sockets: stalled clients get a 408 and are counted as bad requests, one that hangs up while
+    sending is counted as cancelled, and requests beside them are served."""
+    from helpers_http import response, serving, stalled
+
+    monkeypatch.setattr(server.args.http, "body_timeout_s", 1.0)
+    before = dict(server.metrics.requests)
+    with serving(build(server)) as port:
+        socks = [stalled(port, "/generate", sent=b'{"prompt": "x"') for _ in range(5)]
+        try:
+            import httpx
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            answers = [response(s) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        hung = stalled(port, "/generate", declared=1000, sent=b'{"prompt": "x')
+        hung.close()
+        import time
+        deadline = time.time() + 30
+        while server.metrics.requests.get("cancelled", 0) == before.get("cancelled", 0) and time.time() < deadline:
+            time.sleep(0.05)
+    assert {status for status, _, _ in answers} == {408}
+    assert b"request body not received within 1 s (14 bytes came)" in answers[0][2]
+    after = server.metrics.requests
+    assert after["bad_request"] - before.get("bad_request", 0) == 5
+    assert after["cancelled"] - before.get("cancelled", 0) == 1

@@ -24,6 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments.engine.request import SamplingParams, cut
 
 
+# seconds a 503 (warming up, overloaded, stopped: try again) tells its client to wait, in Retry-After
+RETRY_AFTER_S = 5
+
+
 class BadRequest(ValueError):
     """A client error: the message goes back with a 4xx."""
 

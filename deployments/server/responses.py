@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from deployments.engine.request import Chunk, RequestHandle
 from deployments.server import api
+from deployments.server.api import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from deployments.server.replica import LLMServer
@@ -26,7 +27,6 @@ BODY_SLACK_BYTES = 1 << 20
 # Text longer than this is tokenized on a worker thread instead of the event loop, which every
 # request's streaming shares
 TOKENIZE_INLINE_CHARS = 8192
-RETRY_AFTER_S = 5
 
 
 class Unfinished(RuntimeError):
