@@ -6,7 +6,8 @@ once the replica's constructor has run. Request bodies are pydantic models
 ``BodyGuard`` before any route runs: a body larger than any request for the context could need
 is a 413 before it is parsed, one that does not arrive within ``args.http.body_timeout_s`` a 408
 that frees the replica's request slot, and a client that goes away while sending it is counted
-as ``cancelled``, quietly. Every 4xx names the field; every response carries
+as ``cancelled``, quietly, as is one that goes away while its answer is made (whatever the
+next read of the client raises, inside Ray too, is its disconnect). Every 4xx names the field; every response carries
 ``x-coldstart-replica``. A streamed answer ends with its final marker (NDJSON: a line whose
 ``finish_reason`` is not null; SSE: ``data: [DONE]``) whenever the replica itself ends it; a
 failure ends it with an error line or event first, never with a finish reason that reads as a
@@ -82,7 +83,7 @@ class BodyGuard:
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return await _until_disconnect(receive, scope)
         await self.app(scope, replay, tagged)
 
     async def _read(self, scope: dict, receive: Callable) -> bytes | None:
@@ -112,6 +113,23 @@ class BodyGuard:
                 raise _Refused(too_big.format(f"more than {limit:,}"), 413)
             if not message.get("more_body", False):
                 return bytes(body)
+
+
+async def _until_disconnect(receive: Callable, scope: dict) -> dict:
+    """The next message after the body: the client's disconnect, as the ASGI spec has it, also
+    where Ray's ``receive`` raises instead. Inside Ray, ``receive`` fetches from the proxy, and a
+    request the proxy cancelled (its client went away) makes that fetch raise
+    ``TaskCancelledError``: raised on through a streamed response's disconnect listener, it ended
+    the request's task with that exception, which Ray's replica had wrapped in a future that
+    nobody awaits once the request is cancelled (``_run_user_code``: ``asyncio.wrap_future``), so
+    every such disconnect logged a "Future exception was never retrieved" traceback."""
+    try:
+        return await receive()
+    except Exception as e:  # noqa: BLE001 - whatever broke the way back, nobody is left to answer
+        if not cancelled(e):
+            log.warning("%s %s: reading the client's next message failed (%s: %s); taken as its disconnect",
+                        scope["method"], cut(scope["path"]), type(e).__name__, e)
+        return {"type": "http.disconnect"}
 
 
 def _schema(model: type[BaseModel]) -> dict:
