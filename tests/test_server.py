@@ -69,11 +69,11 @@ def test_generate_streams_ndjson(client):
 
 
 def test_openai_completion_and_chat_shapes(client):
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4, "temperature": 0})
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "temperature": 0})
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
-    r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 3, "messages": [
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "messages": [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]})
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["message"]["role"] == "assistant"
@@ -81,9 +81,30 @@ def test_openai_completion_and_chat_shapes(client):
     assert models["data"][0]["id"] == "tiny"
 
 
+def test_a_model_this_server_does_not_serve_is_openais_404(client):
+    """OpenAI's answer for a model id it does not have: a 404 with an error body naming the id and
+    the served one; the official client raises NotFoundError. A request without a model is served."""
+    import openai
+
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        for stream in (False, True):
+            r = client.post(path, json={**body, "model": "nope", "stream": stream})
+            assert r.status_code == 404, r.text
+            assert r.json() == {"error": {
+                "message": "the model 'nope' does not exist here: this server serves 'tiny' (GET /v1/models); "
+                           "send \"model\": 'tiny', or leave the field out",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+        assert client.post(path, json=body).status_code == 200  # no model: the served one
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=client, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4o' does not exist here"):
+        oai.chat.completions.create(model="gpt-4o", **chat)
+    assert oai.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_stream_options_include_usage(client):
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "max_tokens": 4, "temperature": 0, "stream": True,
+            "model": "tiny", "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hello"}]}) as r:
         events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
@@ -95,7 +116,7 @@ def test_stream_options_include_usage(client):
 
 def test_chat_streams_sse_with_done(client):
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "max_tokens": 5, "temperature": 0, "stream": True,
+            "model": "tiny", "max_tokens": 5, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "hello"}]}) as r:
         events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -167,7 +188,8 @@ def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = client.post(path, content=data, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    assert msg in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert msg in err["message"] and set(err) == {"message", "type", "param", "code"}  # OpenAI's error shape
 
 
 def test_a_body_larger_than_any_request_needs_is_refused_unread(client):

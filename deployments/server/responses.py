@@ -49,9 +49,10 @@ def unfinished(handle: RequestHandle) -> Unfinished | None:
     return None
 
 
-def error(message: str, status: int) -> JSONResponse:
-    """An error response; a 503 (warming up, overloaded, stopped: try again) says when, in Retry-After."""
-    return JSONResponse(api.error_body(message, status), status_code=status,
+def error(message: str, status: int, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An error response in OpenAI's shape (``api.error_body``); a 503 (warming up, overloaded,
+    stopped: try again) says when, in Retry-After."""
+    return JSONResponse(api.error_body(message, status, param=param, code=code), status_code=status,
                         headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
 
 

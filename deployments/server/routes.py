@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.server import api
+from deployments.engine.request import cut
 from deployments.server.api import BadRequest, Parsed
 from deployments.server.responses import (MAX_CHARS_PER_TOKEN, TOKENIZE_INLINE_CHARS, Unfinished, cancelled, error,
                                           json_line, sse_fail, stream_body, text_limit, unfinished)
@@ -43,7 +44,7 @@ class Routes:
                 return await fn(request)
             except BadRequest as e:
                 s.metrics.request("bad_request")
-                return error(str(e), e.status)
+                return error(str(e), e.status, param=e.param, code=e.code)
             except Unfinished as e:  # counted by the request's own accounting
                 log.error("request failed: %s", e)
                 return error(str(e), e.status)
@@ -80,6 +81,7 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
         p = api.parse_completion(doc)
+        self._check_model(p.model)
         ids = await self._encode(p.prompt)
         rid, model = api.new_id("cmpl"), self.server.model_name
         handle = await self._submit(ids, p)
@@ -95,6 +97,7 @@ class Routes:
     async def chat(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
         p = api.parse_chat(doc)
+        self._check_model(p.model)
         chars = sum(len(m["content"]) for m in p.messages)
         self._check_size(chars, "field 'messages' (their content)")
         try:
@@ -146,6 +149,15 @@ class Routes:
         return JSONResponse({"injected": kind, "replica": self.server.replica_id})
 
     # ---------------------------------------------------------------- helpers
+    def _check_model(self, model: str | None) -> None:
+        """An OpenAI request that names a model this replica does not serve gets OpenAI's 404;
+        one that names none is served."""
+        served = self.server.model_name
+        if model is not None and model != served:
+            raise BadRequest(f"the model {cut(repr(model))} does not exist here: this server serves {served!r} "
+                             f"(GET /v1/models); send \"model\": {served!r}, or leave the field out", 404,
+                             param="model", code="model_not_found")
+
     async def _encode(self, prompt: str) -> list[int]:
         self._check_size(len(prompt), "field 'prompt'")
         return await _off_loop(len(prompt), self.server.tokenizer.encode, prompt)
