@@ -307,6 +307,11 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
         err = json.loads(out["stream"][-2][len("data: "):])["error"]
         assert err["code"] == 503 and "retry" in err["message"]
         assert s.metrics.requests["stopped"] == 2  # counted apart from "ok" (the dashboard's error ratio)
+        # a request that comes after: a 503 with Retry-After, counted once, as "stopped" (not a bad request)
+        r = c.post("/generate", json={"prompt": "go", "max_new_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert "engine loop is not running" in r.json()["error"]["message"]
+        assert dict(s.metrics.requests) == {"stopped": 3}
     finally:
         s.shutdown()
 
@@ -399,6 +404,20 @@ def test_head_health_answers_as_load_balancers_expect(client, tiny_packed):
     cold = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
     try:
         assert TestClient(build(cold)).head("/health").status_code == 503
+    finally:
+        cold.shutdown()
+
+
+def test_a_warming_replica_answers_503_counted_once(tiny_packed):
+    """A request to a replica not yet warm: a 503 with Retry-After, counted once, as not_warm."""
+    cold = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
+    try:
+        c = TestClient(build(cold))
+        for path, body in (("/generate", {"prompt": "hi"}), ("/v1/completions", {"prompt": "hi"})):
+            r = c.post(path, json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+            assert r.json()["error"]["message"] == "replica is warming up; retry shortly"
+        assert dict(cold.metrics.requests) == {"not_warm": 2}
     finally:
         cold.shutdown()
 

@@ -37,6 +37,18 @@ class BadRequest(ValueError):
         self.status, self.param, self.code = status, param, code
 
 
+class Unavailable(RuntimeError):
+    """The replica cannot take the request now but another (or this one, shortly) can: a 503
+    with Retry-After. ``kind``: the status it is counted under in the metrics ("not_warm" while
+    the replica warms up, "stopped" once its engine loop has stopped)."""
+
+    status = 503
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def _js(v: Any) -> str:
     """``v`` as the client sent it, cut to 200 characters (escaped where it is not valid text)."""
     text = json.dumps(v, ensure_ascii=False)

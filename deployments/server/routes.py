@@ -1,8 +1,10 @@
 """The HTTP routes' handlers: parse, tokenize, submit to the engine, answer or stream.
 
-``Routes.guard`` turns every outcome into a response: a ``BadRequest`` its 4xx, a request the
-engine failed a 500 (503 where the replica stopped under it), a fault of this code's own a 500
-naming it (counted as ``error`` and logged with its traceback; the replica serves on).
+``Routes.guard`` turns every outcome into a response, each request counted once in the metrics:
+a ``BadRequest`` its 4xx, an ``Unavailable`` (warming up, engine loop stopped) a 503 with
+Retry-After, a request the engine failed a 500 (503 where the replica stopped under it), a fault
+of this code's own a 500 naming it (counted as ``error`` and logged with its traceback; the
+replica serves on).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.server import api
 from deployments.engine.request import cut
-from deployments.server.api import BadRequest, Parsed
+from deployments.server.api import BadRequest, Parsed, Unavailable
 from deployments.server.responses import (MAX_CHARS_PER_TOKEN, TOKENIZE_INLINE_CHARS, Unfinished, cancelled, error,
                                           json_line, sse_fail, stream_body, text_limit, unfinished)
 
@@ -39,12 +41,14 @@ class Routes:
             request.state.started = time.perf_counter()  # (the route's own time: the timing headers)
             try:
                 if warm and not s.warm:
-                    s.metrics.request("not_warm")
-                    raise BadRequest("replica is warming up; retry shortly", 503)
+                    raise Unavailable("replica is warming up; retry shortly", "not_warm")
                 return await fn(request)
             except BadRequest as e:
                 s.metrics.request("bad_request")
                 return error(str(e), e.status, param=e.param, code=e.code)
+            except Unavailable as e:
+                s.metrics.request(e.kind)
+                return error(str(e), e.status)
             except Unfinished as e:  # counted by the request's own accounting
                 log.error("request failed: %s", e)
                 return error(str(e), e.status)
@@ -175,13 +179,13 @@ class Routes:
         engine = self.server.engine
         p.fit_default_length(len(ids), engine.config.max_seq_len)
         if not engine.alive():  # check_health will fail and Ray will replace this replica
-            raise BadRequest(f"replica unavailable: engine loop is not running ({engine.error!r}); retry", 503)
+            raise Unavailable(f"replica unavailable: engine loop is not running ({engine.error!r}); retry", "stopped")
         try:
             return engine.submit(ids, p.params)
         except ValueError as e:  # prompt too long, ids outside the vocabulary, ...: named as the client did
             raise BadRequest(str(e).replace("max_new_tokens", p.length_key)) from e
         except RuntimeError as e:  # the engine loop died: this replica is going away
-            raise BadRequest(f"replica unavailable: {e}", 503) from e
+            raise Unavailable(f"replica unavailable: {e}; retry", "stopped") from e
 
     async def _collect(self, handle: Any) -> tuple[str, list[int], str]:
         try:
