@@ -422,11 +422,35 @@ def test_a_warming_replica_answers_503_counted_once(tiny_packed):
         cold.shutdown()
 
 
-def test_the_api_is_described_by_its_openapi_document(client):
-    doc = client.get("/openapi.json").json()
+def test_the_api_is_described_by_its_openapi_document(client, server):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:  # FastAPI warns of operation ids used twice
+        warnings.simplefilter("always")
+        doc = TestClient(build(server)).get("/openapi.json").json()
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
     body = doc["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["prompt"] and "max_new_tokens" in body["properties"]
-    assert "/v1/chat/completions" in doc["paths"] and "head" in doc["paths"]["/health"]
+    assert "/v1/chat/completions" in doc["paths"] and set(doc["paths"]["/health"]) == {"get", "head"}
+    ids = [op["operationId"] for path in doc["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)), ids
+
+
+def test_docs_load_their_scripts_from_the_replica_not_a_cdn(client):
+    import re
+    page = client.get("/docs")
+    assert page.status_code == 200 and "/openapi.json" in page.text
+    links = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sorted(links) == ["/docs/assets/favicon-32x32.png", "/docs/assets/swagger-ui-bundle.js",
+                             "/docs/assets/swagger-ui.css"], links
+    for link in links:
+        r = client.get(link)
+        assert r.status_code == 200 and len(r.content) > 500, link
+    assert "SwaggerUIBundle" in client.get("/docs/assets/swagger-ui-bundle.js").text
+    # under a route prefix (Ray's proxy sets it as the root path) the links take it
+    prefixed = TestClient(client.app, root_path="/app").get("/docs").text
+    assert 'src="/app/docs/assets/swagger-ui-bundle.js"' in prefixed and "'/app/openapi.json'" in prefixed
+    r = client.get("/docs/assets/index.html")
+    assert r.status_code == 404 and "no route /docs/assets/index.html" in r.json()["error"]["message"]
 
 
 def test_a_fault_inside_a_stream_still_ends_it_with_its_marker(client, monkeypatch):

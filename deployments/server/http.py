@@ -2,16 +2,17 @@
 
 ``build(server)`` makes the app; inside Ray, ``deployments.app`` hands it to ``serve.ingress``
 once the replica's constructor has run. Request bodies are pydantic models
-(``deployments.server.api``; ``/docs`` and ``/openapi.json`` describe them), read by
-``BodyGuard`` before any route runs: a body larger than any request for the context could need
-is a 413 before it is parsed, one that does not arrive within ``args.http.body_timeout_s`` a 408
-that frees the replica's request slot, and a client that goes away while sending it is counted
-as ``cancelled``, quietly, as is one that goes away while its answer is made (whatever the
-next read of the client raises, inside Ray too, is its disconnect). Every 4xx names the field; every response carries
-``x-coldstart-replica``. A streamed answer ends with its final marker (NDJSON: a line whose
-``finish_reason`` is not null; SSE: ``data: [DONE]``) whenever the replica itself ends it; a
-failure ends it with an error line or event first, never with a finish reason that reads as a
-normal end.
+(``deployments.server.api``; ``/openapi.json`` and ``/docs``, whose scripts the replica serves
+itself: ``deployments.server.docs``, describe them), read by ``BodyGuard`` before any route
+runs: a body larger than any request for the context could need is a 413 before it is parsed,
+one that does not arrive within ``args.http.body_timeout_s`` a 408 that frees the replica's
+request slot, and a client that goes away while sending it is counted as ``cancelled``,
+quietly, as is one that goes away while its answer is made (whatever the next read of the
+client raises, inside Ray too, is its disconnect). Every 4xx names the field; every response
+carries ``x-coldstart-replica``. A streamed answer ends with its final marker (NDJSON: a line
+whose ``finish_reason`` is not null; SSE: ``data: [DONE]``) whenever the replica itself ends
+it; a failure ends it with an error line or event first, never with a finish reason that reads
+as a normal end.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp
 
 from deployments.engine.request import cut
 from deployments.server import api
+from deployments.server.docs import add_docs
 from deployments.server.responses import BODY_SLACK_BYTES, cancelled, error, text_limit
 from deployments.server.routes import Routes
 
@@ -140,7 +142,7 @@ def _schema(model: type[BaseModel]) -> dict:
 def build(server: LLMServer) -> FastAPI:
     """The replica's HTTP app over ``server``."""
     app = FastAPI(title="coldstart", summary="An LLM replica that starts in seconds.",
-                  version="0.1.0", redoc_url=None)
+                  version="0.1.0", docs_url=None, redoc_url=None)  # /docs: add_docs, without a CDN
     r = Routes(server)
     app.add_api_route("/generate", r.guard(r.generate), methods=["POST"], openapi_extra=_schema(api.GenerateRequest),
                       summary="Continue a prompt (NDJSON lines with stream: true)")
@@ -149,13 +151,17 @@ def build(server: LLMServer) -> FastAPI:
     app.add_api_route("/v1/chat/completions", r.guard(r.chat), methods=["POST"],
                       openapi_extra=_schema(api.ChatRequest), summary="OpenAI's chat completions")
     app.add_api_route("/v1/models", r.guard(r.models, warm=False), methods=["GET"], summary="The served model")
-    app.add_api_route("/health", r.guard(r.health, warm=False), methods=["GET", "HEAD"],
-                      summary="200 once warm, 503 while warming up")
+    # GET and HEAD as two routes: one route with both gave both one operation id in the OpenAPI document
+    health = r.guard(r.health, warm=False)
+    app.add_api_route("/health", health, methods=["GET"], summary="200 once warm, 503 while warming up")
+    app.add_api_route("/health", health, methods=["HEAD"], name="health_head",
+                      summary="200 once warm, 503 while warming up (no body: load balancers' probe)")
     app.add_api_route("/stats", r.guard(r.stats, warm=False), methods=["GET"],
                       summary="Start-up phases, request counts, the engine's state")
     if server.args.fault_injection:
         app.add_api_route("/admin/fault", r.guard(r.fault), methods=["POST"], openapi_extra=_schema(api.FaultRequest),
                           summary="Drills: stop the engine loop")
+    add_docs(app)
     known = sorted({route.path for route in app.routes if not route.path.startswith(("/docs", "/openapi"))})
 
     @app.exception_handler(HTTPException)
