@@ -45,7 +45,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     # Triton's compiled decode kernels: mount a volume here so a new container
     # reuses them instead of compiling at its first start.
-    TRITON_CACHE_DIR=/var/cache/coldstart/triton
+    TRITON_CACHE_DIR=/var/cache/coldstart/triton \
+    # Ray Serve's HTTP proxy reads each request's whole body before it routes it
+    # to a replica (deployments/server/proxy.py): a client that stalls after its
+    # headers holds no replica's slot. Here for every way the image runs Serve
+    # (serve run, KubeRay's serveConfigV2, which keeps only the applications).
+    RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.server.proxy:middlewares
 
 # rsync: the Ray cluster launcher copies its bootstrap files and file_mounts into
 # the container with `rsync -e "docker exec"`. gcc + libc6-dev: Triton builds its

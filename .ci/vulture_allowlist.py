@@ -23,3 +23,4 @@ _.log_message
 _.protocol_version
 _.daemon_threads  # socketserver reads its server class's settings by these names
 _.allow_reuse_address
+_.should_exit  # uvicorn's Server polls it to stop (tests' helpers_http serves an app with it)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from deployments.config import DeploymentArgs, parse
+from deployments.server.api import RETRY_AFTER_S
 from deployments.server.metrics import Metrics
 from deployments.server.replica import LLMServer
 
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     # max_queued_requests answers 503 instead of letting latency grow without bound
     max_ongoing_requests=32,
     max_queued_requests=64,
+    # Ray's own 503 for a request beyond that queue says when to retry, as the replica's do
+    backpressure_config={"retry_after_s": RETRY_AFTER_S},
     health_check_period_s=5,
     health_check_timeout_s=10,
     graceful_shutdown_wait_loop_s=2,

@@ -33,9 +33,11 @@ class HttpOptions(BaseModel):
     model_config = _STRICT
 
     body_timeout_s: float = Field(10.0, gt=0)
-    """Seconds a request's whole body may take to arrive; a client that has not sent it by then
-    gets a 408 and frees the replica's request slot (keep it below the deployment's
-    graceful_shutdown_timeout_s, so a stalled client never holds up a scale-down)."""
+    """Seconds a request's whole body may take to arrive at the replica; a client that has not sent
+    it by then gets a 408 and frees the replica's request slot (keep it below the deployment's
+    graceful_shutdown_timeout_s, so a stalled client never holds up a scale-down). Behind Ray's
+    proxy with ``deployments.server.proxy`` (serve_config.yaml's controller_options), the proxy
+    holds a request until its body is in (COLDSTART_PROXY_BODY_TIMEOUT_S) and this never runs out."""
 
 
 class DeploymentArgs(BaseModel):

@@ -40,6 +40,23 @@ def _gigabytes(name: str, v: str) -> float:
     return x
 
 
+def _seconds(name: str, v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = float("nan")
+    if not x > 0 or x == float("inf"):
+        raise ValueError(f"{name}={v!r}: give a number of seconds above 0")
+    return x
+
+
+def _bytes(name: str, v: str) -> int:
+    s = v.strip()
+    if not s.isdigit() or int(s) <= 0:
+        raise ValueError(f"{name}={v!r}: give a whole number of bytes above 0")
+    return int(s)
+
+
 @dataclass(frozen=True)
 class Var:
     name: str
@@ -74,6 +91,15 @@ VARS: dict[str, Var] = {v.name: v for v in (
         "with room for the models.", "path"),
     Var("COLDSTART_CACHE_MAX_GB", "0", _gigabytes, "The node cache's size limit in GB: before a transfer, the "
         "least recently used models are removed until the new one fits; 0 for no limit but the disk.", "GB"),
+    Var("COLDSTART_PROXY_BODY_TIMEOUT_S", "10", _seconds, "Read by Ray Serve's HTTP proxy where "
+        "`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` is `deployments.server.proxy:middlewares`: seconds a "
+        "request's whole body may take to arrive at the proxy, which routes a request to a replica only once "
+        "its body is in; a client that has not sent it by then gets a 408 from the proxy and never reaches a "
+        "replica. Set it where the proxy runs (serve_config.yaml's `controller_options.runtime_env`).",
+        "seconds"),
+    Var("COLDSTART_PROXY_MAX_BODY_BYTES", str(16 << 20), _bytes, "Read by the HTTP proxy as above: a larger "
+        "request body gets a 413 from the proxy, unread (a replica refuses one beyond what its context could "
+        "need on its own: `args.http`).", "bytes"),
     Var("CUDA_MODULE_LOADING", "LAZY", _text, "CUDA's own: LAZY (serve_config.yaml sets it, and torch's "
         "default) loads each kernel at its first use, so a context is made in ~0.4 s instead of seconds; a "
         "replica warns where it is anything else.", "LAZY / EAGER"),

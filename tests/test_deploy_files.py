@@ -129,6 +129,24 @@ def test_dockerfile_env():
         assert kv in env, kv
 
 
+def test_every_way_serve_starts_reads_bodies_at_the_proxy_first(monkeypatch):
+    """serve_config.yaml's controller_options (the proxies inherit them) and the image's ENV name
+    the proxy's body-first middleware, and Ray's own check takes what it returns in that environment."""
+    from importlib import import_module
+
+    from ray.serve._private.http_util import validate_http_proxy_callback_return
+
+    env = serve_config()["controller_options"]["runtime_env"]["env_vars"]
+    path = env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]
+    assert f"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH={path}" in " ".join(_args("ENV"))
+    assert yaml.safe_load(GPU_CONFIG.read_text())["controller_options"] == serve_config()["controller_options"]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    module, _, fn = path.partition(":")
+    (mw,) = validate_http_proxy_callback_return(getattr(import_module(module), fn)())
+    assert mw.cls.__name__ == "BodyFirst" and mw.kwargs["timeout_s"] == float(env["COLDSTART_PROXY_BODY_TIMEOUT_S"])
+
+
 def test_dockerfile_user_health_cmd_and_weights():
     users = _args("USER")
     assert users and users[-1].split(":")[0] not in ("root", "0"), "must run as a non-root user"
@@ -395,7 +413,7 @@ METRICS = ["ray_coldstart_startup_phase_seconds", "ray_coldstart_load_gbps",
            "ray_coldstart_ttft_seconds", "ray_coldstart_decode_tokens_per_second",
            "ray_coldstart_queue_wait_seconds", "ray_coldstart_requests_total",
            "ray_coldstart_gpu_memory_bytes", "ray_coldstart_alloc_retries_ratio", "ray_coldstart_kv_blocks",
-           "ray_coldstart_kv_preemptions",
+           "ray_coldstart_kv_preemptions", "ray_coldstart_proxy_refused_total",
            "ray_serve_replica_initialization_latency_ms", "ray_serve_deployment_replica_healthy",
            "ray_serve_num_ongoing_http_requests"]
 HISTOGRAMS = ["ray_coldstart_ttft_seconds", "ray_coldstart_decode_tokens_per_second",

@@ -69,11 +69,11 @@ def test_generate_streams_ndjson(client):
 
 
 def test_openai_completion_and_chat_shapes(client):
-    r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 4, "temperature": 0})
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4, "temperature": 0})
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
-    r = client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 3, "messages": [
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "messages": [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]})
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["message"]["role"] == "assistant"
@@ -81,9 +81,30 @@ def test_openai_completion_and_chat_shapes(client):
     assert models["data"][0]["id"] == "tiny"
 
 
+def test_a_model_this_server_does_not_serve_is_openais_404(client):
+    """OpenAI's answer for a model id it does not have: a 404 with an error body naming the id and
+    the served one; the official client raises NotFoundError. A request without a model is served."""
+    import openai
+
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        for stream in (False, True):
+            r = client.post(path, json={**body, "model": "nope", "stream": stream})
+            assert r.status_code == 404, r.text
+            assert r.json() == {"error": {
+                "message": "the model 'nope' does not exist here: this server serves 'tiny' (GET /v1/models); "
+                           "send \"model\": 'tiny', or leave the field out",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+        assert client.post(path, json=body).status_code == 200  # no model: the served one
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=client, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4o' does not exist here"):
+        oai.chat.completions.create(model="gpt-4o", **chat)
+    assert oai.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_stream_options_include_usage(client):
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "max_tokens": 4, "temperature": 0, "stream": True,
+            "model": "tiny", "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hello"}]}) as r:
         events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
@@ -95,7 +116,7 @@ def test_stream_options_include_usage(client):
 
 def test_chat_streams_sse_with_done(client):
     with client.stream("POST", "/v1/chat/completions", json={
-            "model": "m", "max_tokens": 5, "temperature": 0, "stream": True,
+            "model": "tiny", "max_tokens": 5, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "hello"}]}) as r:
         events = [l[len("data: "):] for l in r.iter_lines() if l.startswith("data: ")]
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -167,7 +188,8 @@ def test_bad_requests_get_4xx_with_a_message(client, path, body, status, msg):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = client.post(path, content=data, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    assert msg in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert msg in err["message"] and set(err) == {"message", "type", "param", "code"}  # OpenAI's error shape
 
 
 def test_a_body_larger_than_any_request_needs_is_refused_unread(client):
@@ -285,6 +307,11 @@ def test_a_request_the_replica_stops_under_gets_a_503(tiny_packed):
         err = json.loads(out["stream"][-2][len("data: "):])["error"]
         assert err["code"] == 503 and "retry" in err["message"]
         assert s.metrics.requests["stopped"] == 2  # counted apart from "ok" (the dashboard's error ratio)
+        # a request that comes after: a 503 with Retry-After, counted once, as "stopped" (not a bad request)
+        r = c.post("/generate", json={"prompt": "go", "max_new_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert "engine loop is not running" in r.json()["error"]["message"]
+        assert dict(s.metrics.requests) == {"stopped": 3}
     finally:
         s.shutdown()
 
@@ -381,11 +408,49 @@ def test_head_health_answers_as_load_balancers_expect(client, tiny_packed):
         cold.shutdown()
 
 
-def test_the_api_is_described_by_its_openapi_document(client):
-    doc = client.get("/openapi.json").json()
+def test_a_warming_replica_answers_503_counted_once(tiny_packed):
+    """A request to a replica not yet warm: a 503 with Retry-After, counted once, as not_warm."""
+    cold = LLMServer(str(tiny_packed), engine={"max_slots": 2, "max_seq_len": 128})
+    try:
+        c = TestClient(build(cold))
+        for path, body in (("/generate", {"prompt": "hi"}), ("/v1/completions", {"prompt": "hi"})):
+            r = c.post(path, json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+            assert r.json()["error"]["message"] == "replica is warming up; retry shortly"
+        assert dict(cold.metrics.requests) == {"not_warm": 2}
+    finally:
+        cold.shutdown()
+
+
+def test_the_api_is_described_by_its_openapi_document(client, server):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:  # FastAPI warns of operation ids used twice
+        warnings.simplefilter("always")
+        doc = TestClient(build(server)).get("/openapi.json").json()
+    assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
     body = doc["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["prompt"] and "max_new_tokens" in body["properties"]
-    assert "/v1/chat/completions" in doc["paths"] and "head" in doc["paths"]["/health"]
+    assert "/v1/chat/completions" in doc["paths"] and set(doc["paths"]["/health"]) == {"get", "head"}
+    ids = [op["operationId"] for path in doc["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)), ids
+
+
+def test_docs_load_their_scripts_from_the_replica_not_a_cdn(client):
+    import re
+    page = client.get("/docs")
+    assert page.status_code == 200 and "/openapi.json" in page.text
+    links = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert sorted(links) == ["/docs/assets/favicon-32x32.png", "/docs/assets/swagger-ui-bundle.js",
+                             "/docs/assets/swagger-ui.css"], links
+    for link in links:
+        r = client.get(link)
+        assert r.status_code == 200 and len(r.content) > 500, link
+    assert "SwaggerUIBundle" in client.get("/docs/assets/swagger-ui-bundle.js").text
+    # under a route prefix (Ray's proxy sets it as the root path) the links take it
+    prefixed = TestClient(client.app, root_path="/app").get("/docs").text
+    assert 'src="/app/docs/assets/swagger-ui-bundle.js"' in prefixed and "'/app/openapi.json'" in prefixed
+    r = client.get("/docs/assets/index.html")
+    assert r.status_code == 404 and "no route /docs/assets/index.html" in r.json()["error"]["message"]
 
 
 def test_a_fault_inside_a_stream_still_ends_it_with_its_marker(client, monkeypatch):
@@ -408,3 +473,35 @@ def test_a_fault_inside_a_stream_still_ends_it_with_its_marker(client, monkeypat
     assert events[-1] == "[DONE]" and "render broke" in json.loads(events[-2])["error"]["message"]
     monkeypatch.undo()
     assert client.post("/generate", json={"prompt": "hi", "max_new_tokens": 2}).status_code == 200
+
+
+def test_without_the_proxy_in_front_a_stalled_body_gets_the_replicas_408(server, client, monkeypatch):
+    """The replica's own body deadline (args.http.body_timeout_s), for a front that hands it
+    requests before their bodies (Ray's proxy without deployments.server.proxy), on real
+    sockets: stalled clients get a 408 and are counted as bad requests, one that hangs up while
+    sending is counted as cancelled, and requests beside them are served."""
+    from helpers_http import response, serving, stalled
+
+    monkeypatch.setattr(server.args.http, "body_timeout_s", 1.0)
+    before = dict(server.metrics.requests)
+    with serving(build(server)) as port:
+        socks = [stalled(port, "/generate", sent=b'{"prompt": "x"') for _ in range(5)]
+        try:
+            import httpx
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            answers = [response(s) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        hung = stalled(port, "/generate", declared=1000, sent=b'{"prompt": "x')
+        hung.close()
+        import time
+        deadline = time.time() + 30
+        while server.metrics.requests.get("cancelled", 0) == before.get("cancelled", 0) and time.time() < deadline:
+            time.sleep(0.05)
+    assert {status for status, _, _ in answers} == {408}
+    assert b"request body not received within 1 s (14 bytes came)" in answers[0][2]
+    after = server.metrics.requests
+    assert after["bad_request"] - before.get("bad_request", 0) == 5
+    assert after["cancelled"] - before.get("cancelled", 0) == 1

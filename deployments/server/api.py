@@ -24,12 +24,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deployments.engine.request import SamplingParams, cut
 
 
-class BadRequest(ValueError):
-    """A client error: the message goes back with a 4xx."""
+# seconds a 503 (warming up, overloaded, stopped: try again) tells its client to wait, in Retry-After
+RETRY_AFTER_S = 5
 
-    def __init__(self, message: str, status: int = 400):
+
+class BadRequest(ValueError):
+    """A client error: the message goes back with a 4xx; ``param`` (the field at fault) and
+    ``code`` (OpenAI's, where it has a precise one) go in its error body."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.code = status, param, code
+
+
+class Unavailable(RuntimeError):
+    """The replica cannot take the request now but another (or this one, shortly) can: a 503
+    with Retry-After. ``kind``: the status it is counted under in the metrics ("not_warm" while
+    the replica warms up, "stopped" once its engine loop has stopped)."""
+
+    status = 503
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 def _js(v: Any) -> str:
@@ -112,7 +129,7 @@ class GenerateRequest(_Sampling):
 class _OpenAI(_Sampling):
     model_config = ConfigDict(extra="allow", **_STRICT)  # OpenAI clients send fields that change nothing here
     model: str | None = None
-    """Ignored: an application serves one model."""
+    """The served model's id (``GET /v1/models``); another id gets a 404 (model_not_found). May be left out."""
     max_tokens: int | None = None
     """Tokens to generate at most."""
     n: Literal[1] | None = None
@@ -218,6 +235,7 @@ class Parsed:
     sent_length: bool
     prompt: str = ""
     messages: list[dict] = field(default_factory=list)
+    model: str | None = None  # the OpenAI routes' model id, as sent (None: not sent)
     usage_chunk: bool = False  # OpenAI's stream_options.include_usage: a last chunk with usage
 
     def fit_default_length(self, prompt_tokens: int, max_seq_len: int) -> None:
@@ -278,7 +296,7 @@ def parse_completion(doc: dict) -> Parsed:
         raise BadRequest("field 'prompt' must be a non-empty string (one prompt per request), "
                          f"got {_js(doc.get('prompt'))}")
     return Parsed(_sampling(req, "max_tokens", req.max_tokens, 16), bool(req.stream), "max_tokens",
-                  req.max_tokens is not None, prompt=prompt,
+                  req.max_tokens is not None, prompt=prompt, model=req.model,
                   usage_chunk=bool((req.stream_options or {}).get("include_usage", False)))
 
 
@@ -293,6 +311,7 @@ def parse_chat(doc: dict) -> Parsed:
     key, limit = (("max_completion_tokens", req.max_completion_tokens) if req.max_completion_tokens is not None
                   else ("max_tokens", req.max_tokens))
     return Parsed(_sampling(req, key, limit, 256), bool(req.stream), key, limit is not None, messages=messages,
+                  model=req.model,
                   usage_chunk=bool((req.stream_options or {}).get("include_usage", False)))
 
 
@@ -346,6 +365,8 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def error_body(message: str, status: int) -> dict:
+def error_body(message: str, status: int, *, param: str | None = None, code: str | int | None = None) -> dict:
+    """OpenAI's error shape: ``code`` is the HTTP status unless a more precise one is given
+    (``model_not_found``); ``param``, the request field at fault, where one is."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status if code is None else code}}

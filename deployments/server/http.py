@@ -2,15 +2,17 @@
 
 ``build(server)`` makes the app; inside Ray, ``deployments.app`` hands it to ``serve.ingress``
 once the replica's constructor has run. Request bodies are pydantic models
-(``deployments.server.api``; ``/docs`` and ``/openapi.json`` describe them), read by
-``BodyGuard`` before any route runs: a body larger than any request for the context could need
-is a 413 before it is parsed, one that does not arrive within ``args.http.body_timeout_s`` a 408
-that frees the replica's request slot, and a client that goes away while sending it is counted
-as ``cancelled``, quietly. Every 4xx names the field; every response carries
-``x-coldstart-replica``. A streamed answer ends with its final marker (NDJSON: a line whose
-``finish_reason`` is not null; SSE: ``data: [DONE]``) whenever the replica itself ends it; a
-failure ends it with an error line or event first, never with a finish reason that reads as a
-normal end.
+(``deployments.server.api``; ``/openapi.json`` and ``/docs``, whose scripts the replica serves
+itself: ``deployments.server.docs``, describe them), read by ``BodyGuard`` before any route
+runs: a body larger than any request for the context could need is a 413 before it is parsed,
+one that does not arrive within ``args.http.body_timeout_s`` a 408 that frees the replica's
+request slot, and a client that goes away while sending it is counted as ``cancelled``,
+quietly, as is one that goes away while its answer is made (whatever the next read of the
+client raises, inside Ray too, is its disconnect). Every 4xx names the field; every response
+carries ``x-coldstart-replica``. A streamed answer ends with its final marker (NDJSON: a line
+whose ``finish_reason`` is not null; SSE: ``data: [DONE]``) whenever the replica itself ends
+it; a failure ends it with an error line or event first, never with a finish reason that reads
+as a normal end.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.types import ASGIApp
 
 from deployments.engine.request import cut
 from deployments.server import api
+from deployments.server.docs import add_docs
 from deployments.server.responses import BODY_SLACK_BYTES, cancelled, error, text_limit
 from deployments.server.routes import Routes
 
@@ -82,7 +85,7 @@ class BodyGuard:
             if not sent:
                 sent = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return await _until_disconnect(receive, scope)
         await self.app(scope, replay, tagged)
 
     async def _read(self, scope: dict, receive: Callable) -> bytes | None:
@@ -114,6 +117,23 @@ class BodyGuard:
                 return bytes(body)
 
 
+async def _until_disconnect(receive: Callable, scope: dict) -> dict:
+    """The next message after the body: the client's disconnect, as the ASGI spec has it, also
+    where Ray's ``receive`` raises instead. Inside Ray, ``receive`` fetches from the proxy, and a
+    request the proxy cancelled (its client went away) makes that fetch raise
+    ``TaskCancelledError``: raised on through a streamed response's disconnect listener, it ended
+    the request's task with that exception, which Ray's replica had wrapped in a future that
+    nobody awaits once the request is cancelled (``_run_user_code``: ``asyncio.wrap_future``), so
+    every such disconnect logged a "Future exception was never retrieved" traceback."""
+    try:
+        return await receive()
+    except Exception as e:  # noqa: BLE001 - whatever broke the way back, nobody is left to answer
+        if not cancelled(e):
+            log.warning("%s %s: reading the client's next message failed (%s: %s); taken as its disconnect",
+                        scope["method"], cut(scope["path"]), type(e).__name__, e)
+        return {"type": "http.disconnect"}
+
+
 def _schema(model: type[BaseModel]) -> dict:
     """OpenAPI's request body for a route that reads its body itself (``BodyGuard``)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
@@ -122,7 +142,7 @@ def _schema(model: type[BaseModel]) -> dict:
 def build(server: LLMServer) -> FastAPI:
     """The replica's HTTP app over ``server``."""
     app = FastAPI(title="coldstart", summary="An LLM replica that starts in seconds.",
-                  version="0.1.0", redoc_url=None)
+                  version="0.1.0", docs_url=None, redoc_url=None)  # /docs: add_docs, without a CDN
     r = Routes(server)
     app.add_api_route("/generate", r.guard(r.generate), methods=["POST"], openapi_extra=_schema(api.GenerateRequest),
                       summary="Continue a prompt (NDJSON lines with stream: true)")
@@ -131,13 +151,17 @@ def build(server: LLMServer) -> FastAPI:
     app.add_api_route("/v1/chat/completions", r.guard(r.chat), methods=["POST"],
                       openapi_extra=_schema(api.ChatRequest), summary="OpenAI's chat completions")
     app.add_api_route("/v1/models", r.guard(r.models, warm=False), methods=["GET"], summary="The served model")
-    app.add_api_route("/health", r.guard(r.health, warm=False), methods=["GET", "HEAD"],
-                      summary="200 once warm, 503 while warming up")
+    # GET and HEAD as two routes: one route with both gave both one operation id in the OpenAPI document
+    health = r.guard(r.health, warm=False)
+    app.add_api_route("/health", health, methods=["GET"], summary="200 once warm, 503 while warming up")
+    app.add_api_route("/health", health, methods=["HEAD"], name="health_head",
+                      summary="200 once warm, 503 while warming up (no body: load balancers' probe)")
     app.add_api_route("/stats", r.guard(r.stats, warm=False), methods=["GET"],
                       summary="Start-up phases, request counts, the engine's state")
     if server.args.fault_injection:
         app.add_api_route("/admin/fault", r.guard(r.fault), methods=["POST"], openapi_extra=_schema(api.FaultRequest),
                           summary="Drills: stop the engine loop")
+    add_docs(app)
     known = sorted({route.path for route in app.routes if not route.path.startswith(("/docs", "/openapi"))})
 
     @app.exception_handler(HTTPException)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from deployments.engine.request import Chunk, RequestHandle
 from deployments.server import api
+from deployments.server.api import RETRY_AFTER_S
 
 if TYPE_CHECKING:
     from deployments.server.replica import LLMServer
@@ -26,7 +27,6 @@ BODY_SLACK_BYTES = 1 << 20
 # Text longer than this is tokenized on a worker thread instead of the event loop, which every
 # request's streaming shares
 TOKENIZE_INLINE_CHARS = 8192
-RETRY_AFTER_S = 5
 
 
 class Unfinished(RuntimeError):
@@ -49,9 +49,10 @@ def unfinished(handle: RequestHandle) -> Unfinished | None:
     return None
 
 
-def error(message: str, status: int) -> JSONResponse:
-    """An error response; a 503 (warming up, overloaded, stopped: try again) says when, in Retry-After."""
-    return JSONResponse(api.error_body(message, status), status_code=status,
+def error(message: str, status: int, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An error response in OpenAI's shape (``api.error_body``); a 503 (warming up, overloaded,
+    stopped: try again) says when, in Retry-After."""
+    return JSONResponse(api.error_body(message, status, param=param, code=code), status_code=status,
                         headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
 
 

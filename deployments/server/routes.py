@@ -1,8 +1,10 @@
 """The HTTP routes' handlers: parse, tokenize, submit to the engine, answer or stream.
 
-``Routes.guard`` turns every outcome into a response: a ``BadRequest`` its 4xx, a request the
-engine failed a 500 (503 where the replica stopped under it), a fault of this code's own a 500
-naming it (counted as ``error`` and logged with its traceback; the replica serves on).
+``Routes.guard`` turns every outcome into a response, each request counted once in the metrics:
+a ``BadRequest`` its 4xx, an ``Unavailable`` (warming up, engine loop stopped) a 503 with
+Retry-After, a request the engine failed a 500 (503 where the replica stopped under it), a fault
+of this code's own a 500 naming it (counted as ``error`` and logged with its traceback; the
+replica serves on).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.server import api
-from deployments.server.api import BadRequest, Parsed
+from deployments.engine.request import cut
+from deployments.server.api import BadRequest, Parsed, Unavailable
 from deployments.server.responses import (MAX_CHARS_PER_TOKEN, TOKENIZE_INLINE_CHARS, Unfinished, cancelled, error,
                                           json_line, sse_fail, stream_body, text_limit, unfinished)
 
@@ -38,11 +41,13 @@ class Routes:
             request.state.started = time.perf_counter()  # (the route's own time: the timing headers)
             try:
                 if warm and not s.warm:
-                    s.metrics.request("not_warm")
-                    raise BadRequest("replica is warming up; retry shortly", 503)
+                    raise Unavailable("replica is warming up; retry shortly", "not_warm")
                 return await fn(request)
             except BadRequest as e:
                 s.metrics.request("bad_request")
+                return error(str(e), e.status, param=e.param, code=e.code)
+            except Unavailable as e:
+                s.metrics.request(e.kind)
                 return error(str(e), e.status)
             except Unfinished as e:  # counted by the request's own accounting
                 log.error("request failed: %s", e)
@@ -80,6 +85,7 @@ class Routes:
     async def completions(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
         p = api.parse_completion(doc)
+        self._check_model(p.model)
         ids = await self._encode(p.prompt)
         rid, model = api.new_id("cmpl"), self.server.model_name
         handle = await self._submit(ids, p)
@@ -95,6 +101,7 @@ class Routes:
     async def chat(self, request: Request) -> Response:
         doc = api.parse_json(await request.body())
         p = api.parse_chat(doc)
+        self._check_model(p.model)
         chars = sum(len(m["content"]) for m in p.messages)
         self._check_size(chars, "field 'messages' (their content)")
         try:
@@ -146,6 +153,15 @@ class Routes:
         return JSONResponse({"injected": kind, "replica": self.server.replica_id})
 
     # ---------------------------------------------------------------- helpers
+    def _check_model(self, model: str | None) -> None:
+        """An OpenAI request that names a model this replica does not serve gets OpenAI's 404;
+        one that names none is served."""
+        served = self.server.model_name
+        if model is not None and model != served:
+            raise BadRequest(f"the model {cut(repr(model))} does not exist here: this server serves {served!r} "
+                             f"(GET /v1/models); send \"model\": {served!r}, or leave the field out", 404,
+                             param="model", code="model_not_found")
+
     async def _encode(self, prompt: str) -> list[int]:
         self._check_size(len(prompt), "field 'prompt'")
         return await _off_loop(len(prompt), self.server.tokenizer.encode, prompt)
@@ -163,13 +179,13 @@ class Routes:
         engine = self.server.engine
         p.fit_default_length(len(ids), engine.config.max_seq_len)
         if not engine.alive():  # check_health will fail and Ray will replace this replica
-            raise BadRequest(f"replica unavailable: engine loop is not running ({engine.error!r}); retry", 503)
+            raise Unavailable(f"replica unavailable: engine loop is not running ({engine.error!r}); retry", "stopped")
         try:
             return engine.submit(ids, p.params)
         except ValueError as e:  # prompt too long, ids outside the vocabulary, ...: named as the client did
             raise BadRequest(str(e).replace("max_new_tokens", p.length_key)) from e
         except RuntimeError as e:  # the engine loop died: this replica is going away
-            raise BadRequest(f"replica unavailable: {e}", 503) from e
+            raise Unavailable(f"replica unavailable: {e}; retry", "stopped") from e
 
     async def _collect(self, handle: Any) -> tuple[str, list[int], str]:
         try:
