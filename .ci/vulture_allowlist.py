@@ -24,3 +24,4 @@ _.protocol_version
 _.daemon_threads  # socketserver reads its server class's settings by these names
 _.allow_reuse_address
 _.should_exit  # uvicorn's Server polls it to stop (tests' helpers_http serves an app with it)
+_.extra_repr  # torch's Module.__repr__ calls it by name
