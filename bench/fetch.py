@@ -76,13 +76,13 @@ def _pieces(packed: Path) -> list[tuple[int, int]]:
     return [(pf.data_offset + o, min(PIECE, n - o)) for o in range(0, n, PIECE)]
 
 
-def raw_obstore(uri: str, pieces: list[tuple[int, int]]) -> dict:
+def raw_obstore(uri: str, pieces: list[tuple[int, int]], threads: int = THREADS) -> dict:
     """A plain parallel read: ranged GETs, the bytes received and dropped."""
     import obstore
     from obstore.store import from_url
     store = from_url(uri, client_options={"allow_http": True})
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(THREADS) as pool:
+    with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(lambda p: len(obstore.get_range(store, "model.cst", start=p[0], length=p[1])), pieces))
     s = time.perf_counter() - t0
     return {"bytes": total, "seconds": s, "GBps": total / s / 1e9}
@@ -169,7 +169,17 @@ def part_source(packed: Path, uri: str, rounds: int) -> dict:
     print(f"from the node's copy {res['node_copy']['GBps']:.2f} GB/s; the packed directory "
           f"{res['local_packed']['GBps']:.2f} GB/s", flush=True)
     res["cache_with_model"] = str(WORK / f"cache-source-{rounds - 1}")
+    res["one_connection"] = raw_obstore(uri, pieces[:16], threads=1)
     return res
+
+
+def fleet_fields(source: dict) -> dict:
+    """What ``bench/fleet.py --check`` reads: this host's transfer and its limits (docs/fleet.md)."""
+    best = max(source["rounds"], key=lambda r: r["pipeline"]["phases"].get("fetch", {}).get("GBps", 0))
+    return {"model_bytes": best["pipeline"]["bytes"], "fetch_gbps": best["pipeline"]["phases"]["fetch"]["GBps"],
+            "source_gbps": max(r["raw_obstore"]["GBps"] for r in source["rounds"]),
+            "connection_mbps": source["one_connection"]["GBps"] * 1000, "nic_gbits": None,
+            "threads": THREADS, "piece_mib": PIECE >> 20}
 
 
 def part_peer(packed: Path, uri: str, held_cache: Path, rounds: int) -> dict:
@@ -360,6 +370,7 @@ def main() -> None:
     try:
         if "source" in parts or "peer" in parts:
             out["source"] = part_source(packed, uri, a.rounds)
+            out.update(fleet_fields(out["source"]))
         Path(a.out).write_text(json.dumps(out, indent=1))
         if "peer" in parts:
             _own_service, _raw_peer, _peer_load = _remote_fns()
