@@ -354,6 +354,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="the result file (JSON)")
     ap.add_argument("--parts", default="source,peer,serve")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--held-cache", help="peer: a node cache that holds the model already (an earlier "
+                    "run's source part), instead of running that part first")
     ap.add_argument("--zero-only", action="store_true", help="serve: only the scale-from-zero rounds")
     a = ap.parse_args()
     packed = Path(a.packed)
@@ -368,13 +370,14 @@ def main() -> None:
     server, uri = start_source(packed)
     parts = a.parts.split(",")
     try:
-        if "source" in parts or "peer" in parts:
+        if "source" in parts or ("peer" in parts and not a.held_cache):
             out["source"] = part_source(packed, uri, a.rounds)
             out.update(fleet_fields(out["source"]))
         Path(a.out).write_text(json.dumps(out, indent=1))
         if "peer" in parts:
             _own_service, _raw_peer, _peer_load = _remote_fns()
-            out["peer"] = part_peer(packed, uri, Path(out["source"]["cache_with_model"]), a.rounds)
+            held = Path(a.held_cache) if a.held_cache else Path(out["source"]["cache_with_model"])
+            out["peer"] = part_peer(packed, uri, held, a.rounds)
             Path(a.out).write_text(json.dumps(out, indent=1))
         if "serve" in parts:
             out["serve"] = part_serve(packed, uri, a.rounds, a.zero_only)
