@@ -350,7 +350,8 @@ _own_service = _raw_peer = _peer_load = None
 def main() -> None:
     global _own_service, _raw_peer, _peer_load, DEV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--packed", default="/tmp/coldstart-bench/packed", help="the packed model to serve")
+    ap.add_argument("--packed", default="/tmp/coldstart-bench/packed",
+                    help="the packed model to serve (the default: the 7B random checkpoint, made there if absent)")
     ap.add_argument("--out", required=True, help="the result file (JSON)")
     ap.add_argument("--parts", default="source,peer,serve")
     ap.add_argument("--rounds", type=int, default=2)
@@ -359,6 +360,9 @@ def main() -> None:
     ap.add_argument("--zero-only", action="store_true", help="serve: only the scale-from-zero rounds")
     a = ap.parse_args()
     packed = Path(a.packed)
+    if not (packed / "model.cst").exists() and packed == Path("/tmp/coldstart-bench/packed"):
+        from bench.load import ensure_checkpoint
+        ensure_checkpoint(packed.parent, "llama-7b")
     import torch
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
     WORK.mkdir(parents=True, exist_ok=True)

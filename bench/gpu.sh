@@ -209,7 +209,7 @@ script_stage() {  # NAME ARGS...: bench/NAME.py --out OUT/NAME/NAME.json ARGS, o
   return $r
 }
 # weights from object storage and between nodes (FETCH_ARGS: bench/fetch.py's flags)
-stage_fetch() { ckpt || return 1; script_stage fetch --packed $W/packed ${FETCH_ARGS:-}; }
+stage_fetch() { script_stage fetch ${FETCH_ARGS:-}; }
 # quantized checkpoints: load and decode (QUANT_ARGS: bench/quant.py's flags)
 stage_quant() { script_stage quant ${QUANT_ARGS:-}; }
 

@@ -11,7 +11,6 @@ takes the weights from the first node, not the source), and goes back to zero, w
 from __future__ import annotations
 
 import concurrent.futures as cf
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -140,13 +139,13 @@ def _wait(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def test_scale_from_zero_to_two_nodes_and_back_with_no_request_lost(world, tmp_path):
+def test_scale_from_zero_to_two_nodes_and_back_with_no_request_lost(world, tiny_hf):
     from deployments.app import LLMDeployment
     from deployments.server.replica import LLMServer
     from test_replica_start import _greedy
     cluster, caches, model, _, www = world
-    # the range server holds its own copy: a model no node has yet
-    shutil.copytree(model, www.root / "scale")
+    # a pack of its own (another chunk size: another digest): a model no node has any of yet
+    model = pack(tiny_hf, www.root / "scale", PackOptions(progress=False, chunk_bytes=2 * CHUNK))
     uri = f"{www.url}/scale"
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})

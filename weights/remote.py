@@ -99,13 +99,14 @@ class Origin:
         if isinstance(e, FileNotFoundError):
             return RemoteError(f"{self.uri}/{rel}: not found at the source; is the URI right, and was the "
                                "model pushed whole (`coldstart push DIR URI`)?")
+        first = _short(e)
         hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and that the "
                 "server is up")
-        if isinstance(e, TimeoutError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
+        if isinstance(e, PermissionError) or any(c in first for c in ("403", "401", "privileges")):
+            hint = "the credentials were refused: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the role"
+        elif isinstance(e, TimeoutError) or "kind: Timeout" in str(e) or "TimedOut" in str(e):  # (obstore's dump)
             hint = ("the source answered too slowly: check the network to it, or raise load.remote_timeout_s "
                     f"(now {self.timeouts.request_s:g} s a request)")
-        elif isinstance(e, PermissionError) or "403" in str(e) or "401" in str(e):
-            hint = "the credentials were refused: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the role"
         return RemoteError(f"{self.uri}/{rel}: {what} failed ({_short(e)}); {hint}")
 
     def size(self, rel: str) -> int:
