@@ -124,7 +124,7 @@ def measure_ceilings(device, dtype, *, copy_bytes: int | None = None, matmul_n: 
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = best(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # their memory back before the matmul's
     a = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     b = torch.randn(matmul_n, matmul_n, device=device).to(dtype)
     mm_s = best(lambda: a @ b)
