@@ -11,6 +11,11 @@ graph capture + warm-up (the replica's default plan, deployments.engine.warmup.W
 decode ms/token (and the GB/s of weights it implies), total tokens/s at 1, 4
 and 16 concurrent requests, and HF eager `generate` ms/token on the same tensors.
 Every timing syncs the device first.
+
+Beside each load, its bound (bench/bound.py): the bytes its decode steps must read (weights and
+the KV cache they attend to) over the device's copy bandwidth plus its prefills' FLOPs over the
+device's matmul rate, both ceilings measured once at the start of the run; and the engine's share
+of it (bound time / measured time).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.bound import Dims, decode_step_bound_s, load_bound, measure_ceilings  # noqa: E402
 from bench.meta import stamp  # noqa: E402
 from deployments.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from deployments.engine.warmup import WarmupPlan, run_warmup  # noqa: E402
@@ -39,13 +45,10 @@ from weights.tp import layout, rank_config, shard_shape  # noqa: E402
 RANDOM_CONFIGS = {
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      rope_theta=500000.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024),
-    # the tensor-parallel subjects, as `coldstart demo` makes them
-    **{name: config_dict(SHAPES[name]) for name in ("llama2-13b", "llama3-70b")},
+    # the grouped-query subject and the tensor-parallel ones, as `coldstart demo` makes them
+    **{name: config_dict(SHAPES[name]) for name in ("llama3-8b", "llama2-13b", "llama3-70b")},
 }
 
 
@@ -247,6 +250,19 @@ def hf_ms_per_token(config: dict, tensors: dict, prompt: list[int], new_tokens: 
     return (gen(new_tokens) - gen(1)) / (new_tokens - 1) * 1e3
 
 
+def bound_of_load(res: dict, dims: Dims, weight_bytes: int, kv_itemsize: int, prompts: list[list[int]],
+                  new_tokens: int, work: dict) -> dict:
+    """The bound of one concurrent run and the engine's share of it (prompt positions the engine
+    did not prefill, found in its prefix cache, count as a prefix of each prompt)."""
+    ceil, lens = res["ceilings"], [len(p) for p in prompts]
+    cached = max(0, sum(lens) - work["prompt_tokens"]) // len(prompts)
+    b = load_bound(dims, weight_bytes, kv_itemsize, lens, new_tokens, ceil["copy_bytes_per_s"], ceil["flops_per_s"],
+                   cached=cached)
+    return {"tokens_per_s": len(prompts) * new_tokens / b.seconds, "seconds": b.seconds, "prefill_s": b.prefill_s,
+            "decode_s": b.decode_s, "decode_gb": b.decode_bytes / 1e9, "prefill_tflop": b.prefill_flops / 1e12,
+            "engine_share": b.seconds / work["wall_s"]}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="packed directory or HF safetensors directory")
@@ -300,6 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
                  **({"random": args.random, "layers": args.layers, "tp_rank": args.tp_rank} if args.random else {})}
 
     res["import_s"] = import_seconds()
+    res["ceilings"] = measure_ceilings(device, dtype)  # once, before the weights take the memory
+    print(f"ceilings: copy {res['ceilings']['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"matmul {res['ceilings']['flops_per_s'] / 1e12:.1f} TFLOP/s ({args.dtype})", flush=True)
     sync(device)
     t = time.perf_counter()
     config, tensors = load_tensors(args, device, dtype)
@@ -309,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["build_steps_s"] = dict(getattr(model, "build_s", {}))  # assemble, kernel tests, GEMV choice
     weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     res["weight_gb"] = weight_bytes / 1e9
+    dims, kv_itemsize = Dims.of(config), model.dtype.itemsize
 
     max_seq = min(args.max_seq_len, model.max_position_embeddings)
     ecfg = EngineConfig(max_slots=args.max_slots, max_seq_len=max_seq, cuda_graphs=not args.no_graphs,
@@ -384,11 +404,18 @@ def main(argv: list[str] | None = None) -> dict:
     res["later_requests_median_ms"] = sorted(times[1:])[len(times[1:]) // 2]
     res["first_vs_tenth_ms"] = [times[0], times[9]]
 
-    h = engine.submit(prompt(), greedy)
+    p1 = prompt()
+    h = engine.submit(p1, greedy)
     h.result(timeout=600)
     res["ttft_ms_b1"] = h.ttft_s * 1e3
     res["decode_ms_per_token_b1"] = 1e3 / h.decode_tokens_per_s
     res["weights_gb_per_s_b1"] = res["weight_gb"] / (res["decode_ms_per_token_b1"] / 1e3)
+    # a batch-1 step's bound at its middle position: the weights and the keys so far
+    res["bound_decode_ms_per_token_b1"] = 1e3 * decode_step_bound_s(
+        dims, weight_bytes, kv_itemsize, len(p1) + args.new_tokens // 2, res["ceilings"]["copy_bytes_per_s"])
+    res["engine_share_decode_b1"] = res["bound_decode_ms_per_token_b1"] / res["decode_ms_per_token_b1"]
+    print(f"bound b1 decode: {res['bound_decode_ms_per_token_b1']:.3f} ms/token, measured "
+          f"{res['decode_ms_per_token_b1']:.3f}: share {res['engine_share_decode_b1']:.2f}", flush=True)
 
     for c in args.concurrency:
         if c > args.max_slots:
@@ -396,9 +423,13 @@ def main(argv: list[str] | None = None) -> dict:
         # --new-prefix: a system prompt the cache has not seen, shared by this run's prompts alone
         fresh = torch.randint(3, vocab, (args.shared_prefix,), generator=gen).tolist() if args.new_prefix else None
         work: dict = {}
-        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, [prompt(True, fresh) for _ in range(c)], args.new_tokens,
-                                                   device, work)
+        prompts = [prompt(True, fresh) for _ in range(c)]
+        res[f"tokens_per_s_b{c}"] = run_concurrent(engine, prompts, args.new_tokens, device, work)
         res[f"work_b{c}"] = work
+        b = res[f"bound_b{c}"] = bound_of_load(res, dims, weight_bytes, kv_itemsize, prompts, args.new_tokens, work)
+        print(f"bound b{c}: {b['tokens_per_s']:.1f} tokens/s (prefill {b['prefill_s'] * 1e3:.1f} ms + decode "
+              f"{b['decode_s'] * 1e3:.1f} ms), measured {res[f'tokens_per_s_b{c}']:.1f}: share "
+              f"{b['engine_share']:.2f}", flush=True)
     if args.profile:
         c = max(c for c in args.concurrency if c <= args.max_slots)
         res["profile"] = profile_steps(engine, [prompt() for _ in range(c)], [prompt() for _ in range(c)],
@@ -420,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
         res["hf_ms_per_token"] = hf_ms_per_token(config, tensors, prompt(), min(args.new_tokens, 64), device)
         res["speedup_vs_hf_b1"] = res["hf_ms_per_token"] / res["decode_ms_per_token_b1"]
 
-    rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in res.items() if k not in ("engine_stats", "profile")]
+    rows = [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in res.items()
+            if k not in ("engine_stats", "profile", "ceilings") and not k.startswith("bound_b")]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
     if args.out:

@@ -26,6 +26,12 @@ def test_a_mixed_load_over_the_paged_cache_with_the_step_profile(tmp_path):
     assert res["prompt_lens"] == [8, 100] and res["kv_cache"] == "paged" and res["preemptions"] == 0
     assert all(res[k] for k in ("host", "gpu", "commit", "time"))  # where and when it ran (bench/meta.py)
     assert res["tokens_per_s_b8"] > 0 and res["tokens_per_s_b1"] > 0
+    # each load's bound beside it, from the two ceilings measured at the start (bench/bound.py)
+    assert res["ceilings"]["copy_bytes_per_s"] > 0 and res["ceilings"]["flops_per_s"] > 0
+    for c in (1, 8):
+        b = res[f"bound_b{c}"]
+        assert b["seconds"] == b["prefill_s"] + b["decode_s"] and b["engine_share"] > 0
+    assert res["bound_decode_ms_per_token_b1"] > 0 and res["engine_share_decode_b1"] > 0
     # every concurrent prompt's tokens were prefilled: 8 prompts of 8..100 tokens, and the profile's 8 more
     assert res["engine_stats"]["finished"] >= 8 + 8
     prof = res["profile"]

@@ -1,4 +1,4 @@
-"""``coldstart demo DEST --shape tiny|small|llama-7b|llama2-13b|llama3-70b``: a random Llama
+"""``coldstart demo DEST --shape tiny|small|llama-7b|llama3-8b|llama2-13b|llama3-70b``: a random Llama
 checkpoint in HF format.
 
 Writes what ``save_pretrained`` would: ``config.json``, ``generation_config.json``,
@@ -58,6 +58,9 @@ SHAPES: dict[str, Shape] = {
     "small": Shape(256, 4, 8, 4, 688, 1024, 2048, "bfloat16", 2),
     # the benchmark subject: Llama-2-7B's shapes, fp16, 13.5 GB in 3 shards
     "llama-7b": Shape(4096, 32, 32, 32, 11008, 32000, 4096, "float16", 3),
+    # the grouped-query subject: Llama-3-8B's shapes (8 kv heads of 32, a 128,256 vocabulary), bf16,
+    # 16.1 GB in 4 shards; its KV cache per position is a quarter of llama-7b's
+    "llama3-8b": Shape(4096, 32, 32, 8, 14336, 128256, 8192, "bfloat16", 4, rope_theta=500000.0),
     # tensor-parallel subjects: Llama-2-13B (26 GB fp16) and Llama-3-70B (141 GB bf16, grouped-query)
     "llama2-13b": Shape(5120, 40, 40, 40, 13824, 32000, 4096, "float16", 3),
     "llama3-70b": Shape(8192, 80, 64, 8, 28672, 128256, 8192, "bfloat16", 30, rope_theta=500000.0),
@@ -205,7 +208,7 @@ def make_demo(dest: str | os.PathLike, shape: str = "tiny", *, device: str = "cp
 
     Args:
         dest: directory to create.
-        shape: one of ``SHAPES`` (tiny, small, llama-7b, llama2-13b, llama3-70b).
+        shape: one of ``SHAPES`` (tiny, small, llama-7b, llama3-8b, llama2-13b, llama3-70b).
         device: where random weights are drawn (``cuda`` makes 7B in seconds).
         seed: RNG seed: the same seed and device give the same weights.
         force: replace ``dest`` if it exists and is a checkpoint this function wrote or an empty
