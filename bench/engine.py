@@ -199,28 +199,28 @@ def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[in
     # the loop thread runs already: its profiler is switched on and off from inside its steps
     prof, target = cProfile.Profile(), engine._thread.ident
     started = threading.Event()
-    sample = engine.scheduler.sample
+    run_prefill = engine.executor.run_prefill  # (the loop calls it first in each busy turn)
 
-    def sample_once(*a, **kw):
+    def profile_from_here(*a, **kw):
         if not started.is_set() and threading.get_ident() == target:
             started.set()
             prof.enable()
-        return sample(*a, **kw)
+        return run_prefill(*a, **kw)
 
-    engine.scheduler.sample = sample_once
+    engine.executor.run_prefill = profile_from_here
     run_concurrent(engine, others, new_tokens, device)
-    engine.scheduler.sample = sample
+    engine.executor.run_prefill = run_prefill
     done = threading.Event()
 
     def stop(*a, **kw):
         if threading.get_ident() == target and not done.is_set():
             prof.disable()
             done.set()
-        return sample(*a, **kw)
+        return run_prefill(*a, **kw)
 
-    engine.scheduler.sample = stop
+    engine.executor.run_prefill = stop
     run_concurrent(engine, prompts[:1], 2, device)
-    engine.scheduler.sample = sample
+    engine.executor.run_prefill = run_prefill
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
     res["cprofile_tottime"] = buf.getvalue().splitlines()

@@ -218,14 +218,14 @@ def test_bad_prompts(engine):
 def test_one_bad_request_does_not_kill_the_loop(engine):
     eng, _ = engine
     bad = {"id": None}
-    orig = eng.scheduler._emit
+    orig = eng.output._emit
 
     def emit(s, tok, reason):
         if s.handle.id == bad["id"]:
             raise KeyError("boom")
         orig(s, tok, reason)
 
-    eng.scheduler._emit = emit
+    eng.output._emit = emit
     good = eng.submit([1, 2, 3], SamplingParams(max_new_tokens=10, **GREEDY))
     h = eng.submit([4, 5, 6], SamplingParams(max_new_tokens=10, **GREEDY))
     bad["id"] = h.id
@@ -313,7 +313,7 @@ def test_a_batch_whose_sampling_fails_is_sampled_row_by_row_with_the_same_tokens
     """Where sampling a decode step's batch on the device raises (not a device error), its rows
     are sampled one by one, after the step before it is taken: every request gets the tokens it
     gets alone, and the loop goes on."""
-    import deployments.engine.scheduler as sched
+    import deployments.engine.executor as sched
 
     eng, _ = engine
     params = SamplingParams(max_new_tokens=12, **GREEDY)

@@ -380,30 +380,29 @@ def test_a_group_past_a_prefix_is_bounded_by_the_positions_it_gathers():
     chunk holds and, since each row's attention gathers its cached positions, no more than
     ``max_read`` positions in all; fresh prompts gather none. The first pair in order that can
     share a forward decides."""
-    import threading
-
-    from deployments.engine.request import RequestHandle, TextState
-    from deployments.engine.scheduler import Scheduler, Seq
+    from deployments.engine.config import prefill_lengths
+    from deployments.engine.scheduler import Scheduler, SchedulerConfig, Seq
 
     def seq(n: int, prefilled: int) -> Seq:
-        s = Seq(RequestHandle(0, n, threading.Event()), [5] * n, SamplingParams(), TextState(None, []), set())
+        s = Seq(0, [5] * n, SamplingParams())
         s.prefilled = prefilled
         return s
 
-    def padded(n: int, start: int) -> int:  # powers of two from 8
-        return max(8, 1 << (n - 1).bit_length())
+    def grouped(chunk: int, max_read: int) -> tuple:  # prompts padded to powers of two from 8
+        return Scheduler(SchedulerConfig(16, 10**6, chunk, prefill_lengths(1 << 20, 8), True, max_read)).group(
+            sch.prefilling, chunk)
 
-    sch = Scheduler(16, torch.device("cpu"), lambda slot, upto: None)
+    sch = Scheduler(SchedulerConfig(16, 10**6, 64))
     alone, past = seq(50, 0), [seq(64 + 5, 64) for _ in range(8)]
     fresh = [seq(6, 0) for _ in range(8)]
     sch.prefilling = [alone, *past, *fresh]
-    group, L, start = sch.prefill_group(64, padded, max_read=4 * 72)
+    group, L, start = grouped(64, 4 * 72)
     assert (group, L, start) == (past[:4], 8, 64)  # 4 x (64 + 8) positions; 8 would gather twice that
-    group, L, start = sch.prefill_group(64, padded, max_read=7 * 72)
+    group, L, start = grouped(64, 7 * 72)
     assert len(group) == 4  # a power of two
-    group, L, start = sch.prefill_group(64, padded, max_read=71)
+    group, L, start = grouped(64, 71)
     assert (group, L, start) == (fresh, 8, 0)  # not two rows past the prefix: the next pair, 8 x 8 rows
     sch.prefilling = [alone, past[0], *fresh[:3]]
-    assert sch.prefill_group(64, padded, max_read=0) == (fresh[:2], 8, 0)  # no prefix to gather
+    assert grouped(64, 0) == (fresh[:2], 8, 0)  # no prefix to gather
     sch.prefilling = [alone, past[0], fresh[0]]
-    assert sch.prefill_group(64, padded, max_read=10**6) == ([], 0, 0)  # no two alike: each alone
+    assert grouped(64, 10**6) == ([], 0, 0)  # no two alike: each alone

@@ -267,15 +267,15 @@ def test_a_failed_shared_prefill_fails_only_its_requests():
 def test_a_request_whose_sampler_cannot_be_made_fails_alone():
     """A request whose sampling generator cannot be made (here: made to raise) fails alone,
     even in a prefill it shares; the loop, and the request beside it, go on."""
-    from deployments.engine import scheduler
+    from deployments.engine import executor
     eng, hf = make_engine(prefill_chunk=64)
-    real = scheduler._generator
+    real = executor._generator
 
     def make(p, device):
         if p.seed == 13:
             raise OverflowError("seed out of range")
         return real(p, device)
-    scheduler._generator = make
+    executor._generator = make
     try:
         bad, good = eng.submit_many([([7, 8, 9, 10], SamplingParams(max_new_tokens=4, temperature=1.0, seed=13)),
                                      ([3, 4, 5, 6], SamplingParams(max_new_tokens=4, **GREEDY))])
@@ -284,7 +284,7 @@ def test_a_request_whose_sampler_cannot_be_made_fails_alone():
         assert eng.stats()["batched_prefills"] == 1  # the two shared one prefill
         assert eng.alive() and eng.stats()["free_slots"] == eng.config.max_slots
     finally:
-        scheduler._generator = real
+        executor._generator = real
         eng.shutdown()
 
 

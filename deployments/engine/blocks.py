@@ -114,7 +114,7 @@ class BlockPool:
             if self._refs[b] == 0:
                 del self._idle[b]
             self._refs[b] += 1
-        new, clear = self._take(fresh)
+        new, clear = self._claim(fresh)
         self.counts["prefix_hit_tokens"] += len(hits) * self.block_size
         return Grant(hits + new, len(hits) * self.block_size, keys, clear)
 
@@ -123,10 +123,11 @@ class BlockPool:
         cleared before use); None when none is free."""
         if not self.free:
             return None
-        new, clear = self._take(1)
+        new, clear = self._claim(1)
         return new[0], bool(clear)
 
-    def _take(self, n: int) -> tuple[list[int], list[int]]:
+    def _claim(self, n: int) -> tuple[list[int], list[int]]:
+        """``n`` blocks held once each, empty ones first: (blocks, those that held a kept prefix)."""
         new, clear = [], []
         for _ in range(n):
             if self._empty:

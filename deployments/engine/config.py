@@ -94,3 +94,13 @@ def prefill_lengths(chunk: int, min_len: int = 16) -> tuple[int, ...]:
     first = 1 << max(0, min_len - 1).bit_length()
     out = {b for b in (first << k for k in range(31)) if b < chunk} | {chunk}
     return tuple(sorted(out))
+
+
+def padded_len(n: int, start: int, lengths: tuple[int, ...], max_seq_len: int) -> int:
+    """The length a chunk of ``n`` prompt tokens at ``start`` is run at: the first of ``lengths``
+    (``prefill_lengths``; empty: no padding) that holds it, or ``n`` itself where none does or
+    the padding would run past ``max_seq_len`` (this once, as is)."""
+    for b in lengths:
+        if b >= n:
+            return b if start + b <= max_seq_len else n
+    return n

@@ -1,4 +1,10 @@
-"""Continuous-batching generation engine: a loop thread over a scheduler and a model runner.
+"""Continuous-batching generation engine: a loop thread over a scheduler, an executor and an
+output processor.
+
+Each step is a contract of three parts: the scheduler decides and returns a plain ``Plan``
+(``scheduler``, ``plan``: no torch); the executor runs it on the model runner and samples
+(``executor``); the scheduler's ``update`` turns what was sampled into outcomes, and the output
+processor turns those into text, stop-string matches and stream chunks (``output``).
 
 One background thread owns the device. Each turn of its loop:
   1. the scheduler takes new submissions and cancellations, and gives waiting requests free
@@ -6,8 +12,8 @@ One background thread owns the device. Each turn of its loop:
   2. admitted prompts are prefilled, ``prefill_chunk`` tokens per turn, so a long prompt does
      not stall running sequences for more than one chunk (prompts that start at one position,
      0 or past one shared prefix, and pad to one length share one forward);
-  3. the runner launches one decode step for every decoding sequence (a CUDA-graph replay on
-     CUDA), and its tokens are sampled on the device, where they are the next step's inputs;
+  3. one decode step for every decoding sequence is launched (a CUDA-graph replay on CUDA), and
+     its tokens are sampled on the device, where they are the next step's inputs;
   4. the previous step's tokens are read back (the one wait on the device, while it runs this
      step), turned into text and streamed; sequences that hit a stop token, a stop string or
      their length end there, and their row of the step just launched is dropped.
@@ -33,10 +39,12 @@ import torch
 from deployments.engine.blocks import BlockPool
 from deployments.engine.config import EngineConfig, prefill_lengths
 from deployments.engine.decoder import Decoder
+from deployments.engine.executor import Executor
+from deployments.engine.output import OutputProcessor
+from deployments.engine.plan import Outcome, Plan
 from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState
-from deployments.engine.runner import ModelRunner, bucket
-from deployments.engine.sampling import tokens
-from deployments.engine.scheduler import NonFiniteLogits, Scheduler, Seq, is_device_error
+from deployments.engine.runner import ModelRunner
+from deployments.engine.scheduler import NonFiniteLogits, Scheduler, SchedulerConfig, Seq
 
 if TYPE_CHECKING:  # annotations only: torch.distributed and the tokenizer's module stay unimported here
     from deployments.engine.mirror import Channel, Mirrored
@@ -74,8 +82,12 @@ class Engine:
         cache = self.runner.cache
         self.blocks = (BlockPool(cache.num_blocks, cache.block_size, cfg.prefix_cache)
                        if cache.paged else None)
-        self.scheduler = Scheduler(cfg.max_slots, self.device, self._zero_slot, self.blocks, self.runner.assign,
-                                   self._release)
+        r = self.runner
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_slots, cfg.max_seq_len, cfg.prefill_chunk,
+                                                   tuple(r.prefill_lengths), r.batched_prefill, r.group_read),
+                                   self.blocks)
+        self.executor = Executor(r, cfg)
+        self.output = OutputProcessor()
         self.capture_lock = self.runner.capture_lock
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -83,8 +95,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self._capture_when_idle = False  # capture_deferred() called
-        # a decode step whose tokens are sampled and not read back yet: (seqs, read them, dtype)
-        self._inflight: tuple[list[Seq], Any, torch.dtype] | None = None
+        # a decode step whose tokens are sampled and not read back yet: (its plan, read them)
+        self._inflight: tuple[Plan, Any] | None = None
         # the next step launched before this one's tokens are read: not where other ranks mirror
         # the runner's calls (their inputs are the tokens rank 0 sends)
         self._ahead = channel is None
@@ -92,7 +104,7 @@ class Engine:
         # busy_s: the loop's time in turns that had requests (its idle waits left out), of it
         # prefill_s in admissions and prefills, decode_s in decode steps (each with the read of the
         # step before: where the host keeps up, the device's time per step)
-        self._stats = {"steps": 0, "batched_prefills": 0, "busy_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+        self._stats = {"busy_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -116,12 +128,14 @@ class Engine:
         """Queue several requests at once: every one is checked first (nothing is queued if one is
         bad), then all reach the loop at the same step boundary, so that they are admitted
         together (prompts of one start and one padded length then share a prefill)."""
-        seqs = [self._seq(ids, params) for ids, params in requests]
-        self.scheduler.add(*seqs)
+        made = [self._request(ids, params) for ids, params in requests]
+        for handle, text, _ in made:
+            self.output.add(handle, text)
+        self.scheduler.add(*(seq for _, _, seq in made))
         self._wake.set()
-        return [s.handle for s in seqs]
+        return [handle for handle, _, _ in made]
 
-    def _seq(self, prompt_ids: list[int], params: SamplingParams) -> Seq:
+    def _request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[RequestHandle, TextState, Seq]:
         if self.error is not None:
             raise RuntimeError(f"engine loop is dead: {self.error!r}")
         if self._stop.is_set():  # nothing would ever serve it: refuse instead of hanging
@@ -146,7 +160,7 @@ class Engine:
         handle = RequestHandle(next(self._ids), len(prompt), self._wake)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos)
         text = TextState(self.tokenizer.incremental_decoder(prompt) if self.tokenizer else None, params.stop)
-        return Seq(handle, prompt, params, text, stops)
+        return handle, text, Seq(handle.id, prompt, params, stops)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """Blocking convenience: (token_ids, text, finish_reason)."""
@@ -177,7 +191,7 @@ class Engine:
                                    "kv_block_size": b.block_size, **b.counts}
         return {"running": len(s.prefilling) + len(s.decoding), "waiting": s.waiting_count(),
                 "free_slots": len(s.free), **kv, "graphs": r.graphs(), "graphs_deferred": len(r.deferred),
-                **s.counts, **self._stats, **r.stats, "late_captures": late,
+                **s.counts, **self.executor.stats, **self._stats, **r.stats, "late_captures": late,
                 "late_capture_s": sum(ms for ms, _ in late.values()) / 1e3}
 
     def shutdown(self) -> None:
@@ -186,7 +200,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self.scheduler.fail_all("cancelled", self.error)
+        self._deliver(self.scheduler.fail_all("cancelled", self.error))
 
     def __enter__(self) -> "Engine":
         self.start()
@@ -206,9 +220,9 @@ class Engine:
                 self.runner.first_prefills()
                 self._ready.set()
                 while not self._stop.is_set():
-                    s.intake()
+                    self._settle(s.intake(self.output.cancelled()))
                     if s.idle():
-                        self._take_inflight()  # (a step of sequences cancelled since)
+                        self._read_inflight()  # (a step of sequences cancelled since)
                         if self._capture_when_idle and self.runner.deferred:  # one size, then look again
                             self.runner.capture_late(self.runner.deferred[0], "idle")
                             continue
@@ -216,10 +230,9 @@ class Engine:
                         self._wake.clear()
                         continue
                     t0 = time.perf_counter()
-                    s.admit()
-                    self._prefill_turn()
+                    self._prefill()
                     t1 = time.perf_counter()
-                    self._decode_step()
+                    self._decode()
                     t2 = time.perf_counter()
                     st = self._stats
                     st["prefill_s"] += t1 - t0
@@ -229,119 +242,52 @@ class Engine:
             log.exception("engine loop died")
             self.error = e
             self._ready.set()
-            s.fail_all("error", e)
+            self._deliver(s.fail_all("error", e))
 
-    def _may_launch(self) -> bool:
-        """Whether this thread may queue device work: only the loop thread while it is healthy
-        (after a device error, or from ``shutdown``, nothing more is launched)."""
-        return self.error is None and threading.current_thread() is self._thread
+    def _prefill(self) -> None:
+        """Admissions and this turn's prompt chunks; the first tokens of the prompts they end."""
+        plan = self.scheduler.schedule_prefill()
+        self.output.admitted(plan.admitted)
+        sampled = self.executor.run_prefill(plan)
+        self._settle(self.scheduler.update(plan, sampled))
 
-    def _zero_slot(self, slot: int, upto: int) -> None:
-        """A retired sequence's cache positions back to zero (``_may_launch``)."""
-        if self._may_launch():
-            self.runner.zero_slot(slot, min(upto, self.config.max_seq_len))
-
-    def _release(self, slot: int, blocks: list[int]) -> None:
-        """A retired sequence's slot leaves the paged cache's table and ``blocks`` (those empty
-        again) are zeroed (``_may_launch``; the pool has taken them back already)."""
-        if self._may_launch():
-            self.runner.release(slot, blocks)
-
-    def _prefill_turn(self) -> None:
-        s, r = self.scheduler, self.runner
-        budget = self.config.prefill_chunk
-        while r.batched_prefill and budget > 0:  # as many shared forwards as the chunk holds
-            group, L, start = s.prefill_group(budget, r.padded_len, r.group_read)
-            if not group:
-                break
-            self._prefill_group(group, L, start)  # (they leave ``prefilling``, prefilled or failed)
-            budget -= len(group) * L
-        for seq in list(s.prefilling):
-            if budget <= 0:
-                break
-            logits = None
-            try:
-                while seq.prefilled < len(seq.prompt) and budget > 0:
-                    n = min(self.config.prefill_chunk, len(seq.prompt) - seq.prefilled)
-                    logits, written = r.prefill(seq.prompt[seq.prefilled: seq.prefilled + n], seq.slot, seq.prefilled)
-                    seq.written = max(seq.written, seq.prefilled + written)
-                    seq.prefilled += n
-                    budget -= n
-                    s.counts["prompt_tokens"] += n
-            except Exception as e:
-                if is_device_error(e):
-                    raise
-                log.exception("request %d failed in prefill", seq.handle.id)
-                s.finish(seq, "error", e)
-                continue
-            if seq.prefilled == len(seq.prompt):
-                s.prefilled([seq], logits.unsqueeze(0))
-
-    def _prefill_group(self, group: list[Seq], L: int, start: int) -> None:
-        """One forward for ``group`` (``Scheduler.prefill_group``): the rest of each prompt, from
-        ``start``; their first tokens are sampled at once."""
+    def _decode(self) -> None:
+        """Launch the next decode step, then take the step before's tokens while it runs."""
         s = self.scheduler
-        for seq in group:
-            seq.written = max(seq.written, start + L)
-        try:
-            logits = self.runner.prefill_group([seq.prompt[start:] for seq in group], [seq.slot for seq in group],
-                                               L, start)
-        except Exception as e:
-            if is_device_error(e):
-                raise
-            log.exception("requests %s failed in prefill", [seq.handle.id for seq in group])
-            for seq in group:
-                s.finish(seq, "error", e)
+        if s.short_of_blocks():  # sequences that end with the tokens on the device free blocks
+            self._read_inflight()
+        plan = s.schedule_decode()
+        step = self.executor.run_decode(plan)
+        if step is None:
+            self._read_inflight()
             return
-        for seq in group:
-            s.counts["prompt_tokens"] += len(seq.prompt) - start
-            seq.prefilled = len(seq.prompt)
-        self._stats["batched_prefills"] += 1
-        s.prefilled(group, logits)
-
-    def _decode_step(self) -> None:
-        s, r = self.scheduler, self.runner
-        s.make_room(self._take_inflight)
-        seqs = [seq for seq in s.decoding if seq.runs_next()]
-        if not seqs:
-            self._take_inflight()
+        if not step.fed:  # its rows were sampled one by one: after the step before's tokens
+            self._read_inflight()
+            self._settle(s.update(plan, step.read()))
             return
-        B = bucket(max(seq.slot for seq in seqs) + 1, self.config.graph_batch_sizes)
-        L = bucket(max(seq.pos for seq in seqs) + 1, r.kv_lens)
-        logits = r.decode(B, L, [(seq.slot, None if seq.ahead else seq.last, seq.pos) for seq in seqs])
-        for seq in seqs:
-            seq.pos += 1
-        self._stats["steps"] += 1
-        slots = [seq.slot for seq in seqs]
-        index = None
-        if slots == list(range(len(slots))):  # slots 0..R-1, padding rows after them
-            logits = logits[: len(slots)]
-        else:  # padding rows among them: pick the live ones
-            index = torch.tensor(slots, device=self.device)
-            logits = logits.index_select(0, index)
-        toks = s.sample_step(seqs, logits)
-        if toks is None:  # the batch's sampling failed: the rows one by one, in order after the last step's
-            self._take_inflight()
-            s.sample(seqs, logits)
-            return
-        r.feed(toks, index)
-        for seq in seqs:
-            seq.ahead += 1
-        last, self._inflight = self._inflight, (seqs, r.to_host(toks), logits.dtype)
+        last, self._inflight = self._inflight, (plan, step.read)
         if last is not None:
-            self._take(*last)  # while the device runs the step just launched
+            self._settle(s.update(last[0], last[1]()))  # while the device runs the step just launched
         if not self._ahead:
-            self._take_inflight()
+            self._read_inflight()
 
-    def _take_inflight(self) -> None:
+    def _read_inflight(self) -> None:
         """Read back the launched step's tokens, if any (waits for it), and stream them."""
         if self._inflight is not None:
-            last, self._inflight = self._inflight, None
-            self._take(*last)
+            (plan, read), self._inflight = self._inflight, None
+            self._settle(self.scheduler.update(plan, read()))
 
-    def _take(self, seqs: list[Seq], read: Any, dtype: torch.dtype) -> None:
-        toks = read()
-        for seq in seqs:
-            seq.ahead -= 1
-        self.scheduler.take(seqs, tokens(toks), dtype)
+    def _settle(self, outcomes: list[Outcome]) -> None:
+        """Outcomes to text; requests their text ended (a stop string) end in the scheduler; the
+        ended requests' cache is zeroed (``Scheduler._retire``), then their callers hear of it."""
+        if not outcomes:
+            return
+        for seq_id, reason, error in self.output.process(outcomes):
+            self.scheduler.finish(seq_id, reason, error)
+        self.executor.run_cache_ops(self.scheduler.schedule_frees())
+        self.output.deliver()
 
+    def _deliver(self, outcomes: list[Outcome]) -> None:
+        """Outcomes of a loop that stopped: to the callers, with nothing more run on the device."""
+        self.output.process(outcomes)
+        self.output.deliver()

@@ -100,7 +100,7 @@ def follow(runner: ModelRunner, channel: Channel, handlers: dict[str, Callable[.
     A call that fails the way it failed on rank 0 (a bad request: the same inputs fail the same
     way on every rank) is logged and the loop goes on, as rank 0's engine does; an error of the
     device stops the loop and is raised."""
-    from deployments.engine.scheduler import is_device_error
+    from deployments.engine.runner import is_device_error
     handlers = handlers or {}
     dev = runner.device
     if dev.type == "cuda":

@@ -113,18 +113,18 @@ class TextState:
             return "", False
         self.text += self._dec.push(token_id)
         if not self._stop:
-            return self._take(len(self.text)), False
+            return self._emit_upto(len(self.text)), False
         hits = [i for i in (self.text.find(s, self._emitted) for s in self._stop) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
-            return self._take(len(self.text)), True
-        return self._take(len(self.text) - self._held()), False
+            return self._emit_upto(len(self.text)), True
+        return self._emit_upto(len(self.text) - self._held()), False
 
     def finish(self) -> str:
         """Everything still held back (incomplete character, partial stop string)."""
         if self._dec is not None:
             self.text += self._dec.flush()
-        return self._take(len(self.text))
+        return self._emit_upto(len(self.text))
 
     def _held(self) -> int:
         # longest tail of the text (not yet emitted) that is a prefix of some stop string
@@ -135,7 +135,8 @@ class TextState:
                 return k
         return 0
 
-    def _take(self, end: int) -> str:
+    def _emit_upto(self, end: int) -> str:
+        """The text not emitted yet up to ``end``, now emitted."""
         out = self.text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         return out

@@ -21,10 +21,18 @@ from typing import Any, Callable
 
 import torch
 
-from deployments.engine.config import GiB, EngineConfig, prefill_lengths
+from deployments.engine.config import GiB, EngineConfig, padded_len, prefill_lengths
 from deployments.engine.decoder import Decoder
 
 log = logging.getLogger(__name__)
+
+
+def is_device_error(e: BaseException) -> bool:
+    """A failure of the device itself, which stops the loop (one request's bad input does not);
+    torch raises CUDA failures as RuntimeError (torch.AcceleratorError in newer releases)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    return type(e).__name__ == "AcceleratorError" or "CUDA" in str(e) or "cuda" in type(e).__module__
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -163,10 +171,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- forward calls
     def padded_len(self, n: int, start: int) -> int:
         """The length a chunk of ``n`` prompt tokens at ``start`` is run at (``prefill_lengths``)."""
-        for b in self.prefill_lengths:
-            if b >= n:
-                return b if start + b <= self.cfg.max_seq_len else n  # no room: this once, as is
-        return n
+        return padded_len(n, start, self.prefill_lengths, self.cfg.max_seq_len)
 
     def prefill(self, ids: list[int], slot: int, start: int) -> tuple[torch.Tensor, int]:
         """One chunk of one prompt into ``slot`` at ``start``: (logits [V] at its last token, the

@@ -1,17 +1,19 @@
-"""The scheduler: which request runs when, and what becomes of its tokens.
+"""The scheduler: which request runs when, decided, never run. It imports no torch and calls
+nothing outside itself; each decision comes back as a ``Plan`` (``deployments.engine.plan``).
 
-It owns the requests' queues and the KV-cache slots: new submissions and cancellations are
-taken at a step boundary (``intake``); waiting requests get free slots, lowest first, so the
-live slots stay packed at the front and the decode batch stays small (``admit``); prompts
-whose rest starts at one position (0, or past one shared prefix) and pads to one length share
-one forward (``prefill_group``). A decode step's tokens are sampled on the device and read
-back one step later (``take``: the engine launches the next step first): sequences that hit a
-stop token, a stop string or their length end there, and their row of the step launched
-meanwhile is dropped. A prefill's first tokens are sampled and streamed at once (``sample``).
-Only the engine's loop thread calls it, but for ``add``.
+It owns the requests' queues and the KV-cache slots (and, paged, the blocks' pool). At a step
+boundary new submissions join the waiting queue and cancelled requests end (``intake``).
+``schedule_prefill``: waiting requests get free slots, lowest first, so the live slots stay
+packed at the front and the decode batch stays small; then up to ``prefill_chunk`` prompt
+tokens are planned, prompts whose rest starts at one position (0, or past one shared prefix) and
+pads to one length sharing one forward. ``schedule_decode``: each decoding sequence gets a row of
+the next step (paged: a block more where its next position needs one, preempting the sequence
+admitted last where none is free). ``update`` applies what a plan's run sampled: a sequence
+that hit a stop token or its length ends there; ``finish`` ends one for a reason found outside
+(a stop string in its text). A retired sequence's cache is zeroed by the next plan's
+``cache_ops`` (``schedule_frees`` gives them at once).
 
-A failure inside one request's sampling or detokenizing fails only that request; a device
-error is re-raised for the loop to stop on.
+Only the engine's loop thread calls it, but for ``add`` and ``waiting_count``.
 """
 
 from __future__ import annotations
@@ -19,25 +21,15 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-import time
 from collections import deque
-from typing import Callable
-
-import torch
+from dataclasses import dataclass
 
 from deployments.engine.blocks import BlockPool
-from deployments.engine.request import Chunk, RequestHandle, SamplingParams, TextState, delivered_together
-from deployments.engine.sampling import sample, sample_on_device
+from deployments.engine.config import padded_len
+from deployments.engine.plan import DecodeRow, Outcome, Plan, Prefill, PrefillChunk, PrefillGroup, Sampled
+from deployments.engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def is_device_error(e: BaseException) -> bool:
-    """A failure of the device itself, which stops the loop (one request's bad input does not);
-    torch raises CUDA failures as RuntimeError (torch.AcceleratorError in newer releases)."""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return False
-    return type(e).__name__ == "AcceleratorError" or "CUDA" in str(e) or "cuda" in type(e).__module__
 
 
 class NonFiniteLogits(RuntimeError):
@@ -45,14 +37,28 @@ class NonFiniteLogits(RuntimeError):
     streaming the arbitrary tokens an argmax over them picks."""
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The engine's limits as the scheduler needs them (``EngineConfig`` resolved, and the
+    runner's prefill lengths)."""
+
+    max_slots: int
+    max_seq_len: int
+    prefill_chunk: int
+    prefill_lengths: tuple[int, ...] = ()  # the padded chunk lengths (empty: no padding)
+    batched_prefill: bool = False  # prompts of one start and padded length may share a forward
+    group_read: int = 0  # past a prefix, the cached positions one shared forward may gather
+
+
 class Seq:
-    """Engine-side state of one request (touched only by the loop thread)."""
+    """The scheduler's state of one request."""
 
-    __slots__ = ("handle", "prompt", "params", "slot", "blocks", "prompt_keys", "admitted", "prefilled", "pos",
-                 "written", "last", "ahead", "n_gen", "out", "text", "gen", "stops")
+    __slots__ = ("id", "prompt", "prompt_len", "params", "stops", "slot", "blocks", "prompt_keys", "admitted",
+                 "prefilled", "pos", "written", "last", "ahead", "n_gen", "out", "done")
 
-    def __init__(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, text: TextState, stops: set):
-        self.handle, self.prompt, self.params, self.text, self.stops = handle, prompt, params, text, stops
+    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, stops: set[int] | frozenset = frozenset()):
+        self.id, self.prompt, self.params, self.stops = seq_id, prompt, params, stops
+        self.prompt_len = len(prompt)
         self.slot = -1
         self.blocks: list[int] | None = None  # a paged cache's blocks it holds
         # its prompt's full blocks' keys (blocks.py), computed once per prompt while it waits; its
@@ -63,10 +69,10 @@ class Seq:
         self.pos = 0  # next cache position to write (tokens in the cache)
         self.written = 0  # cache positions [0, written) of its slot its prefills wrote (padding included)
         self.last = -1  # last sampled token, fed at `pos` by the next decode step
-        self.ahead = 0  # its tokens sampled on the device and not taken yet (then `last` is not its last)
+        self.ahead = 0  # its rows in decode steps whose tokens are not back yet (then `last` is not its last)
         self.n_gen = 0
         self.out: list[int] = []  # the tokens it generated (a preempted sequence is prefilled again over them)
-        self.gen: torch.Generator | None = None
+        self.done = False
 
     def runs_next(self) -> bool:
         """Whether the next decode step has a row for it: not once its last token is sampled."""
@@ -74,56 +80,117 @@ class Seq:
 
 
 class Scheduler:
-    """Queues and slots of one engine. ``zero_slot(slot, upto)`` clears what a retired sequence
-    wrote in the cache (the engine passes the runner's, or nothing once the device failed). With
-    a paged cache, ``pool`` holds its blocks (``deployments.engine.blocks``): a waiting request is
-    admitted once a slot and the blocks of its prompt are free, sharing those of a kept prefix and
-    prefilled from the first it does not share; a decoding one takes a block more as it needs one
-    (``make_room``), preempting the sequence admitted last where none is free; each change of a
-    slot's blocks is ``assign(slot, blocks, clear)``, and a sequence's end or preemption gives them
-    back (``release(slot, empty)``: those no one holds or keeps are zeroed, instead of ``zero_slot``)."""
+    """Queues, slots and (paged) blocks of one engine; ``pool`` holds a paged cache's blocks
+    (``deployments.engine.blocks``): a waiting request is admitted once a slot and the blocks of
+    its prompt are free, sharing those of a kept prefix and prefilled from the first it does not
+    share."""
 
-    def __init__(self, max_slots: int, device: torch.device, zero_slot: Callable[[int, int], None],
-                 pool: BlockPool | None = None, assign: Callable[[int, list[int], list[int]], None] | None = None,
-                 release: Callable[[int, list[int]], None] | None = None):
-        self.device = device
-        self._zero_slot = zero_slot
-        self.pool, self._assign, self._release = pool, assign, release
-        self.free = list(range(max_slots))  # min-heap: lowest slot first keeps the batch packed
+    def __init__(self, config: SchedulerConfig, pool: BlockPool | None = None):
+        self.config, self.pool = config, pool
+        self.free = list(range(config.max_slots))  # min-heap: lowest slot first keeps the batch packed
         self.inbox: deque[Seq] = deque()
         self.waiting: deque[Seq] = deque()
         self.prefilling: list[Seq] = []
         self.decoding: list[Seq] = []
         self.lock = threading.Lock()
         self.counts = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0}
+        self._live: dict[int, Seq] = {}  # taken in, not ended
         self._admissions = 0
+        self._ops: list = []  # cache changes decided since the last plan
+        self._ended: list[int] = []
 
     # ---------------------------------------------------------------- queues
     def add(self, *seqs: Seq) -> None:
-        """Queue new requests (any thread); the loop takes them at one step boundary."""
+        """Queue new requests (any thread); ``intake`` takes them at one step boundary."""
         with self.lock:
             self.inbox.extend(seqs)
 
-    def intake(self) -> None:
-        """New requests join the waiting queue; cancelled ones end (their slots are freed)."""
+    def waiting_count(self) -> int:
         with self.lock:
-            while self.inbox:
-                self.waiting.append(self.inbox.popleft())
-        for s in [s for s in self.waiting if s.handle.cancelled]:
-            self.waiting.remove(s)
-            self.finish(s, "cancelled")
-        for s in [s for s in self.prefilling + self.decoding if s.handle.cancelled]:
-            self.finish(s, "cancelled")
+            return len(self.inbox) + len(self.waiting)
 
     def idle(self) -> bool:
         return not (self.waiting or self.prefilling or self.decoding)
 
-    def admit(self) -> None:
+    def intake(self, cancelled: set[int] | frozenset = frozenset()) -> list[Outcome]:
+        """New requests join the waiting queue; those in ``cancelled`` end wherever they are."""
+        with self.lock:
+            while self.inbox:
+                s = self.inbox.popleft()
+                self._live[s.id] = s
+                self.waiting.append(s)
+        return [self._end(self._live[i], "cancelled") for i in sorted(cancelled) if i in self._live]
+
+    # ---------------------------------------------------------------- plans
+    def schedule_prefill(self) -> Plan:
+        """Admit waiting requests, then plan this turn's prompt chunks (``prefill_chunk`` tokens)."""
+        admitted = self._admit()
+        plan = self._plan(admitted=admitted)
+        budget = self.config.prefill_chunk
+        rest = list(self.prefilling)
+        while self.config.batched_prefill and budget > 0:  # as many shared forwards as the chunk holds
+            group, L, start = self.group(rest, budget)
+            if not group:
+                break
+            for s in group:
+                s.written = max(s.written, start + L)
+                rest.remove(s)
+            plan.prefills.append(PrefillGroup([s.id for s in group], [s.slot for s in group],
+                                              [s.prompt[start:] for s in group], L, start, [s.params for s in group]))
+            budget -= len(group) * L
+        for s in rest:
+            if budget <= 0:
+                break
+            at = s.prefilled
+            while at < len(s.prompt) and budget > 0:
+                n = min(self.config.prefill_chunk, len(s.prompt) - at)
+                plan.prefills.append(PrefillChunk(s.id, s.slot, s.prompt[at: at + n], at, s.params,
+                                                  at + n == len(s.prompt)))
+                s.written = max(s.written, at + self._padded(n, at))
+                at += n
+                budget -= n
+        return plan
+
+    def short_of_blocks(self) -> bool:
+        """Paged: whether the next decode step needs more new blocks than are free (then the
+        tokens still on the device are best taken first: sequences that ended give theirs back,
+        and a sequence preempted for blocks is prefilled again over every token it has)."""
+        if self.pool is None:
+            return False
+        return len(self._short()) > self.pool.free
+
+    def schedule_decode(self) -> Plan:
+        """The next decode step: a row for every decoding sequence that runs next, each with the
+        blocks its next position needs (``_grow``)."""
+        self._grow()
+        plan = self._plan()
+        for s in self.decoding:
+            if s.runs_next():
+                plan.decode.append(DecodeRow(s.id, s.slot, None if s.ahead else s.last, s.pos, s.params))
+                s.pos += 1
+                s.ahead += 1
+        return plan
+
+    def schedule_frees(self) -> Plan:
+        """The cache changes decided since the last plan alone (retired sequences' slots), to
+        run before their requests' ends are delivered."""
+        return self._plan()
+
+    def _plan(self, **kw) -> Plan:
+        ops, self._ops = self._ops, []
+        ended, self._ended = self._ended, []
+        return Plan(cache_ops=ops, ended=ended, **kw)
+
+    def _padded(self, n: int, start: int) -> int:
+        return padded_len(n, start, self.config.prefill_lengths, self.config.max_seq_len)
+
+    # ---------------------------------------------------------------- admission and blocks
+    def _admit(self) -> list[int]:
         """Waiting requests take free slots (and, paged, their blocks) in order. Paged with prefix
         reuse, a prompt whose next block of shareable prefix another admitted prompt is computing
         now (a burst of chats behind one system prompt) waits until that one is in the cache and
         then shares it; those behind it go on meanwhile."""
-        pool = self.pool
+        pool, admitted = self.pool, []
         computing = ({k for q in self.prefilling for k in q.prompt_keys} if pool is not None and pool.prefix
                      else None)
         i = 0
@@ -149,261 +216,181 @@ class Scheduler:
                 if computing is not None:
                     computing.update(grant.keys)
                 s.prefilled = s.written = grant.cached  # its shared prefix is in the cache already
-                self._assign(s.slot, s.blocks, grant.clear)
+                self._ops.append(("assign", s.slot, list(s.blocks), grant.clear))
             self._admissions += 1
             s.admitted = self._admissions
-            if s.handle.admitted_at is None:  # (a preempted sequence keeps its first)
-                s.handle.admitted_at = time.perf_counter()
+            admitted.append(s.id)
             self.prefilling.append(s)
+        return admitted
 
-    def make_room(self, drain: Callable[[], None]) -> None:
-        """A paged cache: each sequence the next decode step runs whose next position lies past
-        its blocks takes one more, oldest sequences first; where none is free, the tokens still
-        on the device are taken first (``drain``: a preempted sequence is prefilled again over
-        every token it has, and sequences that ended give their blocks back), then the sequence
-        admitted last is preempted (``preempt``), until one is, or until it is the sequence itself."""
+    def _short(self) -> list[Seq]:
+        return [s for s in self.decoding if s.runs_next() and self.pool.need(s.pos + 1) > len(s.blocks)]
+
+    def _grow(self) -> None:
+        """Paged: each sequence the next step runs whose next position lies past its blocks takes
+        one more, oldest sequences first; where none is free, the sequence admitted last is
+        preempted, until one is, or until it is the sequence itself."""
         if self.pool is None:
             return
-        short = [s for s in self.decoding if s.runs_next() and self.pool.need(s.pos + 1) > len(s.blocks)]
-        drained = False
-        for s in sorted(short, key=lambda q: q.admitted):  # (a few per step)
+        for s in sorted(self._short(), key=lambda q: q.admitted):  # (a few per step)
             while s.slot >= 0 and s.runs_next() and self.pool.need(s.pos + 1) > len(s.blocks):
                 got = self.pool.grow()
                 if got is None:
-                    if not drained:
-                        drained = True
-                        drain()
-                        continue
-                    self.preempt(max(self.prefilling + self.decoding, key=lambda q: q.admitted))
+                    self._preempt(max(self.prefilling + self.decoding, key=lambda q: q.admitted))
                     continue
                 block, clear = got
                 s.blocks.append(block)
-                self._assign(s.slot, s.blocks, [block] if clear else [])
+                self._ops.append(("assign", s.slot, list(s.blocks), [block] if clear else []))
 
-    def preempt(self, s: Seq) -> None:
+    def _preempt(self, s: Seq) -> None:
         """Give ``s``'s slot and blocks back and queue it first, to be prefilled again over its
-        prompt and the tokens it generated; it then samples on from where it stopped (its
-        generator and text go on)."""
-        for lst in (self.prefilling, self.decoding):
-            if s in lst:
-                lst.remove(s)
-        blocks, s.blocks = s.blocks, None
-        self._release(s.slot, self.pool.give(blocks))
-        heapq.heappush(self.free, s.slot)
-        s.slot = -1
-        s.prompt = s.prompt[: s.handle.prompt_len] + s.out
+        prompt and the tokens it generated; it then samples on from where it stopped."""
+        self._leave(s)
+        s.prompt = s.prompt[: s.prompt_len] + s.out
         s.prompt_keys, s.prefilled, s.pos, s.written = None, 0, 0, 0
         self.waiting.appendleft(s)
         self.pool.counts["preemptions"] += 1
-        log.debug("request %d preempted for KV-cache blocks after %d tokens", s.handle.id, s.n_gen)
+        log.debug("request %d preempted for KV-cache blocks after %d tokens", s.id, s.n_gen)
 
-    def waiting_count(self) -> int:
-        with self.lock:
-            return len(self.inbox) + len(self.waiting)
-
-    def prefill_group(self, chunk: int, padded_len: Callable[[int, int], int], max_read: int
-                      ) -> tuple[list[Seq], int, int]:
-        """Prompts to prefill in one forward, (seqs, L, start): prompts whose rest fits one chunk
-        and starts at one position ``start`` (0 for fresh prompts; the length of a prefix they
-        found in the cache, as a burst behind one system prompt does) and pads to one length L, as
-        many as make a number of rows R, a power of two, with R x L <= chunk and, past a prefix,
-        R x (start + L) <= ``max_read`` (the cached positions the forward gathers for its
-        attention); the first pair in admission order that can decides (start, L). Every matrix
-        product then has R x L rows, a length the engine ran before serving (prefill lengths are
-        powers of two), so no first-time cost of a GEMM shape reaches a request. ([], 0, 0) when
-        there is no such pair of prompts."""
+    def group(self, prefilling: list[Seq], chunk: int) -> tuple[list[Seq], int, int]:
+        """Of ``prefilling``, prompts to prefill in one forward, (seqs, L, start): prompts whose rest
+        fits one chunk and starts at one position ``start`` (0 for fresh prompts; the length of a
+        prefix they found in the cache) and pads to one length L, as many as make a number of rows
+        R, a power of two, with R x L <= chunk and, past a prefix, R x (start + L) <=
+        ``group_read`` (the cached positions the forward gathers for its attention); the first
+        pair in admission order that can decides (start, L). Every matrix product then has R x L
+        rows, a length the engine ran before serving (prefill lengths are powers of two), so no
+        first-time cost of a GEMM shape reaches a request. ([], 0, 0) when there is no such pair."""
         groups: dict[tuple[int, int], list[Seq]] = {}
         pairs = []  # the keys that have two prompts, in order
-        for s in self.prefilling:
+        for s in prefilling:
             n = len(s.prompt) - s.prefilled
             if n > chunk:
                 continue
-            L = padded_len(n, s.prefilled)
+            L = self._padded(n, s.prefilled)
             if L & (L - 1):  # chunk itself, or no room to pad, not a power of two: alone
                 continue
             same = groups.setdefault((s.prefilled, L), [])
             same.append(s)
             if len(same) == 2:
                 pairs.append((s.prefilled, L))
+        read = self.config.group_read
         for start, L in pairs:
             same, R = groups[start, L], 1
-            while R * 2 <= len(same) and R * 2 * L <= chunk and (start == 0 or R * 2 * (start + L) <= max_read):
+            while R * 2 <= len(same) and R * 2 * L <= chunk and (start == 0 or R * 2 * (start + L) <= read):
                 R *= 2
             if R > 1:
                 return same[:R], L, start
         return [], 0, 0
 
-    # ---------------------------------------------------------------- after a forward
-    def prefilled(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        """Sequences whose whole prompt is in the cache start decoding; logits [R, V] (row j for
-        seqs[j], at its last prompt token) give their first tokens, which stream now."""
-        rows = []
-        for j, s in enumerate(seqs):
-            self.prefilling.remove(s)
-            s.pos = len(s.prompt)
-            if s.prompt_keys:
-                self.pool.keep(s.blocks, s.prompt_keys)
-            if s.n_gen:  # prefilled again after a preemption: its generator goes on
+    # ---------------------------------------------------------------- after a run
+    def update(self, plan: Plan, sampled: Sampled) -> list[Outcome]:
+        """Apply what running ``plan`` gave: prompt chunks in the cache, sequences whose whole
+        prompt is start decoding, sampled tokens join their sequences (a sequence that ended
+        meanwhile drops its own). One ``Outcome`` per request that got a token or ended."""
+        out: list[Outcome | None] = []
+        for i, item in enumerate(plan.prefills):
+            out += self._prefilled(i, item, sampled)
+        for row in plan.decode:
+            s = self._live.get(row.seq_id)
+            if s is not None:
+                s.ahead -= 1
+                out.append(self._fail(s, sampled) or self._record(s, sampled.tokens.get(s.id), sampled.dtype))
+        return [o for o in out if o is not None]
+
+    def _prefilled(self, i: int, item: Prefill, sampled: Sampled) -> list[Outcome]:
+        group = isinstance(item, PrefillGroup)
+        out = []
+        for sid in item.seq_ids if group else [item.seq_id]:
+            s = self._live.get(sid)
+            failed = sampled.failed.get(sid)
+            if s is None or (failed and failed[0] < i):  # it failed at an earlier chunk
+                continue
+            if failed and failed[0] == i:
+                out.append(self._end(s, "error", failed[1]))
+                continue
+            end = len(s.prompt) if group else item.start + len(item.tokens)
+            self.counts["prompt_tokens"] += end - item.start
+            s.prefilled = end
+            if group or item.last:  # its whole prompt is in the cache: it decodes from here
+                self.prefilling.remove(s)
+                s.pos = len(s.prompt)
+                if s.prompt_keys:
+                    self.pool.keep(s.blocks, s.prompt_keys)
                 self.decoding.append(s)
-                rows.append(j)
-                continue
-            try:
-                s.gen = _generator(s.params, self.device)
-            except Exception as e:  # one request's setting must not stop the loop
-                if is_device_error(e):
-                    raise
-                log.exception("request %d failed: its sampling generator", s.handle.id)
-                self.finish(s, "error", e)
-                continue
-            self.decoding.append(s)
-            rows.append(j)
-        if len(rows) < len(seqs):
-            seqs = [seqs[j] for j in rows]
-            logits = logits[rows]
-        if seqs:
-            self.sample(seqs, logits)
+                out.append(self._fail(s, sampled) or self._record(s, sampled.tokens.get(sid), sampled.dtype))
+        return out
 
-    @staticmethod
-    def _params(seqs: list[Seq]) -> tuple[list, list, list]:
-        return [s.params.temperature for s in seqs], [s.params.top_p for s in seqs], [s.params.top_k for s in seqs]
+    def _fail(self, s: Seq, sampled: Sampled) -> Outcome | None:
+        """``s``'s end where its sampler or its sampling failed."""
+        failed = sampled.failed.get(s.id)
+        return None if failed is None or s.done or s.slot < 0 else self._end(s, "error", failed[1])
 
-    def sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        """Sample each sequence's next token from logits [R, V] (row j for seqs[j]) and stream it
-        now (waits for the device)."""
-        args = self._params(seqs)
-        try:
-            toks: list[int | None] = sample(logits, *args, [s.gen for s in seqs])
-        except Exception as e:
-            if is_device_error(e):
-                raise
-            toks = self._sample_one_by_one(seqs, logits, args)
-        self.take(seqs, toks, logits.dtype)
-
-    def sample_step(self, seqs: list[Seq], logits: torch.Tensor) -> torch.Tensor | None:
-        """A decode step's tokens, ``sample`` left on the device: [R] (-1: not finite), for ``take`` once
-        read back; None where sampling the batch failed (``sample`` row by row then finds the
-        rows at fault)."""
-        try:
-            return sample_on_device(logits, *self._params(seqs), [s.gen for s in seqs])
-        except Exception as e:
-            if is_device_error(e):
-                raise
-            log.warning("sampling a decode step failed (%s): its rows one by one", e)
+    def _record(self, s: Seq, tok: int | None, dtype: str) -> Outcome | None:
+        """A sampled token joins ``s`` (None: its logits were not finite, and it fails); it ends
+        ``s`` at a stop token or at its length."""
+        if s.done or s.slot < 0:  # ended (or preempted) since the step was planned: dropped
             return None
-
-    def take(self, seqs: list[Seq], toks: list[int | None], dtype: torch.dtype) -> None:
-        """A step's tokens (row j for seqs[j]; None: its logits were not finite) join their
-        sequences and stream, in one hand-over per consumer; a sequence that ended meanwhile
-        (a stop, its length, a cancel) drops its token."""
-        with delivered_together():
-            for s, tok in zip(seqs, toks):
-                if s.handle.done or s.slot < 0:
-                    continue
-                if tok is None:
-                    log.error("request %d: non-finite logits at generated token %d", s.handle.id, s.n_gen + 1)
-                    self.finish(s, "error", NonFiniteLogits(
-                        f"the model's logits were not finite (NaN or inf) at generated token {s.n_gen + 1}: "
-                        f"it overflowed its dtype ({dtype}) on this prompt; a float16 checkpoint "
-                        f"may need packing as bfloat16 (coldstart pack --dtype bfloat16)"))
-                    continue
-                self._emit_safely(s, tok, self._take(s, tok))
-
-    def _sample_one_by_one(self, seqs: list[Seq], logits: torch.Tensor, args: tuple) -> list[int | None]:
-        """Find the row at fault: sample each on its own, failing only the bad ones (None)."""
-        toks: list[int | None] = []
-        for j, s in enumerate(seqs):
-            try:
-                toks.extend(sample(logits[j: j + 1], *[[a[j]] for a in args], [s.gen]))
-            except Exception as e:
-                if is_device_error(e):
-                    raise
-                log.exception("request %d failed in sampling", s.handle.id)
-                self.finish(s, "error", e)
-                toks.append(None)
-        return toks
-
-    def _take(self, s: Seq, tok: int) -> str | None:
-        """Record a sampled token; "stop" / "length" when it ends the sequence without looking at
-        text (stop strings are found when the text is made)."""
+        if tok is None:
+            log.error("request %d: non-finite logits at generated token %d", s.id, s.n_gen + 1)
+            return self._end(s, "error", NonFiniteLogits(
+                f"the model's logits were not finite (NaN or inf) at generated token {s.n_gen + 1}: "
+                f"it overflowed its dtype ({dtype}) on this prompt; a float16 checkpoint "
+                f"may need packing as bfloat16 (coldstart pack --dtype bfloat16)"))
         s.last = tok
         s.n_gen += 1
         s.out.append(tok)
         self.counts["tokens_generated"] += 1
-        s.handle._mark_token()
-        if tok in s.stops:
-            return "stop"
-        return "length" if s.n_gen >= s.params.max_new_tokens else None
-
-    def _emit_safely(self, s: Seq, tok: int, reason: str | None) -> None:
-        try:
-            self._emit(s, tok, reason)
-        except Exception as e:  # one request's text failed: only that request ends
-            log.exception("request %d failed after sampling", s.handle.id)
-            self.finish(s, "error", e)
-
-    def _emit(self, s: Seq, tok: int, reason: str | None) -> None:
-        """Detokenize one token, check stop strings, stream it or finish the request."""
-        if reason == "stop":
-            text = s.text.finish()  # the stop token's text is not returned
-        else:
-            text, hit = s.text.push(tok)
-            if hit:
-                reason = "stop"
-            elif reason == "length":
-                text += s.text.finish()
-        if reason is None:
-            s.handle._put(Chunk([tok], text, None))
-        else:
-            self.finish(s, reason, token=tok, text=text)
+        reason = "stop" if tok in s.stops else "length" if s.n_gen >= s.params.max_new_tokens else None
+        if reason is not None:
+            self._retire(s)
+        return Outcome(s.id, tok, reason)
 
     # ---------------------------------------------------------------- endings
-    def _retire(self, s: Seq) -> None:
-        """Stop scheduling ``s`` and free its cache slot (its last chunk may still be pending).
+    def finish(self, seq_id: int, reason: str, error: BaseException | None = None) -> None:
+        """End a running request for a reason found outside (a stop string in its text, a failure
+        of its text); nothing if it has ended already."""
+        s = self._live.get(seq_id)
+        if s is not None and not s.done:
+            self._end(s, reason, error)
 
-        The positions it wrote are zeroed first (one fill, queued behind its last step): a
-        multi-row decode step reads every key of its length bucket, masked ones included, and a
-        masked key still multiplies its value (0 * NaN = NaN). A request whose keys or values
-        overflowed (fp16) would otherwise leave non-finite values behind, and every later
-        request in that slot would decode garbage."""
+    def _end(self, s: Seq, reason: str, error: BaseException | None = None) -> Outcome:
+        self._retire(s)
+        return Outcome(s.id, None, reason, error)
+
+    def _retire(self, s: Seq) -> None:
+        """Stop scheduling ``s`` and free its slot: the positions it wrote are zeroed (or, paged,
+        its blocks no one else holds): a multi-row decode step reads every key of its length
+        bucket, masked ones included, and a masked key still multiplies its value (0 * NaN =
+        NaN); a request whose keys or values overflowed (fp16) would otherwise leave non-finite
+        values behind for every later request in that slot."""
+        s.done = True
+        self._live.pop(s.id, None)
+        self._ended.append(s.id)
+        self.counts["finished"] += 1
+        if s in self.waiting:
+            self.waiting.remove(s)
+        upto = max(s.written, s.pos)
+        if s.slot >= 0 and s.blocks is None and upto:
+            self._ops.append(("zero_slot", s.slot, min(upto, self.config.max_seq_len)))
+        self._leave(s)
+
+    def _leave(self, s: Seq) -> None:
+        """``s`` leaves the running lists and gives its slot and blocks back."""
         for lst in (self.prefilling, self.decoding):
             if s in lst:
                 lst.remove(s)
-        if s.slot >= 0:
-            if s.blocks is not None:
-                blocks, s.blocks = s.blocks, None
-                self._release(s.slot, self.pool.give(blocks))
-            else:
-                upto = max(s.written, s.pos)
-                if upto:
-                    self._zero_slot(s.slot, upto)
-            heapq.heappush(self.free, s.slot)
-            s.slot = -1
+        if s.slot < 0:
+            return
+        if s.blocks is not None:
+            blocks, s.blocks = s.blocks, None
+            self._ops.append(("release", s.slot, self.pool.give(blocks)))
+        heapq.heappush(self.free, s.slot)
+        s.slot = -1
 
-    def finish(self, s: Seq, reason: str, error: BaseException | None = None, *, token: int | None = None,
-               text: str = "") -> None:
-        try:
-            self._retire(s)  # (a device error here still ends the request, then the loop)
-        finally:
-            self.counts["finished"] += 1
-            s.handle._put(Chunk([] if token is None else [token], text, reason), error=error)
-
-    def fail_all(self, reason: str, error: BaseException | None) -> None:
-        """End every request not finished yet (the loop stopped or died)."""
+    def fail_all(self, reason: str, error: BaseException | None) -> list[Outcome]:
+        """End every request not ended yet (the loop stopped or died)."""
         with self.lock:
             pending = list(self.inbox) + list(self.waiting) + self.prefilling + self.decoding
             self.inbox.clear()
-        self.waiting.clear()
-        for s in pending:
-            if not s.handle.done:
-                self.finish(s, reason, error)
-
-
-def _generator(p: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if p.greedy:
-        return None
-    g = torch.Generator(device=device)
-    if p.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(p.seed)
-    return g
+        return [self._end(s, reason, error) for s in pending if not s.done]
