@@ -102,7 +102,8 @@ class Origin:
         first = _short(e)
         hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and that the "
                 "server is up")
-        if isinstance(e, PermissionError) or any(c in first for c in ("403", "401", "privileges")):
+        refused = type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError")  # (obstore's types)
+        if refused or isinstance(e, PermissionError) or re.search(r"\b40[13] (Forbidden|Unauthorized)", first):
             hint = "the credentials were refused: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the role"
         elif isinstance(e, TimeoutError) or "kind: Timeout" in str(e) or "TimedOut" in str(e):  # (obstore's dump)
             hint = ("the source answered too slowly: check the network to it, or raise load.remote_timeout_s "
