@@ -73,10 +73,9 @@ def _fetch_here(uri: str, piece: int = 16 << 20) -> tuple[dict, dict, str]:
     from deployments.peers import RayPeers
     from weights.fetch import Fetch, resolve
     cache = model_cache()
-    peers = RayPeers(cache.root)
-    got = resolve(uri, cache, peers=peers)
+    got = resolve(uri, cache, peers=RayPeers(cache.root))
     if isinstance(got, Fetch):
-        got.run(threads=2, piece_bytes=piece, start=peers.start_piece(len(got.pieces(piece))))
+        got.run(threads=2, piece_bytes=piece)
         return dict(got.stats.bytes_from), dict(got.stats.dropped), str(got.entry)
     return {}, {}, str(got)
 

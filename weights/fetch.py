@@ -34,7 +34,7 @@ import numpy as np
 from .cache import NodeCache, partial_name, publish_file
 from .format import (SIDE_FILES, TP_MANIFEST, WEIGHTS_FILE, PackedFile, PackedFormatError,
                      file_sha256, parse_packed, rank_dir)
-from .remote import Origin, RemoteError, Timeouts, check_uri, model_name
+from .remote import Origin, RemoteError, RemoteNotFound, Timeouts, check_uri, model_name
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class Peers(Protocol):
 
     def sources(self, key: str, rel: str) -> list[Source]:
         """Peers that hold some of ``rel`` of entry ``key``, other than this node."""
+
+    def start_piece(self, n_pieces: int) -> int:
+        """Where this node's transfer of ``n_pieces`` begins (nodes starting together begin apart)."""
 
     def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None") -> None:
         """Tell this node's peer service that ``chunks`` of ``rel`` (None: all, the file is
@@ -104,9 +107,9 @@ class Fetch:
         self._holdings: dict[str, Any] = {}
         self._busy: dict[str, int] = {}
         self._refreshed = 0.0
+        self._refreshing = threading.Lock()  # one reader thread asks the peers at a time
         self._closed = False
-        self._landed: list[int] = []
-        self.start = 0  # the piece this node's transfer begins with (``pieces``)
+        self._landed: set[int] = set()
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _allocate(self.fd, packed.file_bytes, self.tmp)
@@ -119,10 +122,17 @@ class Fetch:
 
     # ---------------------------------------------------------------- sources
     def _refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._refreshed < self.REFRESH_S:
+        if not force and time.monotonic() - self._refreshed < self.REFRESH_S:
             return
-        self._refreshed = now
+        if not self._refreshing.acquire(blocking=False):
+            return  # another thread is asking them: the holdings known so far serve meanwhile
+        try:
+            self._refreshed = time.monotonic()
+            self._ask_peers()
+        finally:
+            self._refreshing.release()
+
+    def _ask_peers(self) -> None:
         found: list[Source] = []
         if self.peers is not None:
             try:
@@ -209,25 +219,25 @@ class Fetch:
             done += os.pwrite(self.fd, view[done:length], at + done)
         with self._lock:
             self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
-            self._landed += list(chunks)
-            landed = list(self._landed)
+            self._landed.update(chunks)
+            landed = sorted(self._landed)
         if self.peers is not None:
             self.peers.announce(self.key, self.rel, str(self.tmp), landed)
 
     # ---------------------------------------------------------------- the whole file
-    def pieces(self, piece_bytes: int, start: int = 0) -> list[tuple[int, int]]:
-        """The data region in pieces of whole chunks, in order from piece ``start`` (rotated: nodes
-        that start together begin in different places and pass pieces to each other)."""
+    def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
+        """The data region in pieces of whole chunks, from the piece where this node begins
+        (``Peers.start_piece``; rotated: nodes that start together pass pieces to each other)."""
         step = max(self.cb, piece_bytes // self.cb * self.cb)
         n = self.packed.data_bytes
         out = [(o, min(step, n - o)) for o in range(0, n, step)]
-        k = start % len(out) if out else 0
+        k = self.peers.start_piece(len(out)) % len(out) if out and self.peers is not None else 0
         return out[k:] + out[:k]
 
-    def run(self, threads: int = 16, piece_bytes: int = 16 << 20, start: int = 0) -> Path:
+    def run(self, threads: int = 16, piece_bytes: int = 16 << 20) -> Path:
         """Fetch every piece with ``threads`` in parallel (no device: the CPU load maps the file
         afterwards), then ``commit``. Returns the entry's directory."""
-        pieces = self.pieces(piece_bytes, start)
+        pieces = self.pieces(piece_bytes)
         step = max(length for _, length in pieces) if pieces else 0
         local = threading.local()
 
@@ -247,10 +257,10 @@ class Fetch:
 
     def commit(self) -> Path:
         """The transfer is whole and checked: the file takes its name; returns the entry."""
-        if len(set(self._landed)) != len(self._sums):
+        if len(self._landed) != len(self._sums):
             self.abort()
             raise RemoteError(f"{self.origin.uri}/{self.rel}: transfer ended with "
-                              f"{len(set(self._landed))} of {len(self._sums)} chunks")
+                              f"{len(self._landed)} of {len(self._sums)} chunks")
         try:
             os.close(self.fd)
             publish_file(self.tmp, self.final)
@@ -341,10 +351,13 @@ def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers
     rel = weight_rel(rank)
     try:
         origin = Origin(uri, Timeouts(request_s=timeout_s))
-        if rank is None and not origin.exists(WEIGHTS_FILE) and origin.exists(TP_MANIFEST):
-            raise PackedFormatError(f"{uri}: a tensor-parallel pack ({TP_MANIFEST}); serve it with args.tp set to "
-                                    "its number of ranks")
-        packed, head, tail = read_header(origin, rel, cache.root / rel)
+        try:
+            packed, head, tail = read_header(origin, rel, cache.root / rel)
+        except RemoteNotFound:
+            if rank is None and origin.exists(TP_MANIFEST):
+                raise PackedFormatError(f"{uri}: a tensor-parallel pack ({TP_MANIFEST}); serve it with args.tp set "
+                                        "to its number of ranks") from None
+            raise
         key, manifest = _key_of(origin, rank, packed)
     except RemoteError as e:
         held = [p for p in cache.entries_of(uri, name) if (p / rel).is_file()]

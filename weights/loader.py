@@ -230,8 +230,9 @@ def start_load(path: "str | os.PathLike | Fetch", device: str | torch.device | N
         fetch, path = path, path.entry
         if dev.type == "cpu":  # the CPU load maps the cache's file: the transfer first, whole
             with timer.phase("fetch", nbytes=fetch.packed.data_bytes):
-                fetch.run(opts.cold_threads, _piece_bytes(opts, fetch.packed), fetch.start)
+                fetch.run(opts.cold_threads, _piece_bytes(opts, fetch.packed))
             fetch = None
+            opts = opts.model_copy(update={"verify": False})  # every chunk was checked as it landed
     with timer.phase("open"):
         if fetch is not None:
             packed = fetch.packed  # (its file is still arriving; the header came from the source)

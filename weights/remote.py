@@ -40,6 +40,10 @@ class RemoteError(OSError):
     the source (its URI) and the file, and says what to do."""
 
 
+class RemoteNotFound(RemoteError):
+    """The source answered that the file is not there."""
+
+
 def is_remote(model: str | os.PathLike) -> bool:
     """Whether ``model`` names a packed model in object storage or on an HTTP(S) server."""
     return isinstance(model, str) and urlsplit(model).scheme in SCHEMES
@@ -97,7 +101,7 @@ class Origin:
 
     def _fail(self, rel: str, e: BaseException, what: str) -> RemoteError:
         if isinstance(e, FileNotFoundError):
-            return RemoteError(f"{self.uri}/{rel}: not found at the source; is the URI right, and was the "
+            return RemoteNotFound(f"{self.uri}/{rel}: not found at the source; is the URI right, and was the "
                                "model pushed whole (`coldstart push DIR URI`)?")
         first = _short(e)
         hint = ("check the endpoint and credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and that the "
@@ -120,10 +124,8 @@ class Origin:
     def exists(self, rel: str) -> bool:
         try:
             self.size(rel)
-        except RemoteError as e:
-            if "not found" in str(e):
-                return False
-            raise
+        except RemoteNotFound:
+            return False
         return True
 
     def get(self, rel: str) -> bytes:

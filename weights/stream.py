@@ -159,7 +159,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
     transfer, ``weights.fetch``: its pieces, each checked as it lands, in its order; no verifier)."""
     n, step = packed.data_bytes, opts.read_bytes
     if fetch is not None:
-        pieces = fetch.pieces(step, fetch.start)
+        pieces = fetch.pieces(step)
         step = max(length for _, length in pieces)
     else:
         pieces = [(off, min(step, n - off)) for off in range(0, n, step)]

@@ -199,8 +199,6 @@ class Start:
             # bytes by source and the sources dropped, as the transfer goes on (the dicts themselves)
             self.transfer = {"model": self.args.model, "cache_entry": str(got.entry),
                              "bytes_from": got.stats.bytes_from, "dropped": got.stats.dropped}
-            if peers is not None:
-                got.start = peers.start_piece(len(got.pieces(self.opts.cold_read_bytes)))
             log.info("%s: not on this node; fetching %.2f GB into %s", self.args.model,
                      got.packed.file_bytes / 1e9, got.entry)
             self._set_path(got.entry)
