@@ -191,6 +191,7 @@ def part_peer(packed: Path, uri: str, held_cache: Path, rounds: int) -> dict:
                      object_store_memory=4 << 30, env_vars={**env, "COLDSTART_CACHE_DIR": str(held_cache)})
     res: dict = {"rounds": []}
     pieces = _pieces(packed)
+    own_service, raw_peer, peer_load = _remote_fns()
     try:
         for i in range(rounds):
             empty = WORK / f"cache-peer-{i}"
@@ -200,9 +201,9 @@ def part_peer(packed: Path, uri: str, held_cache: Path, rounds: int) -> dict:
             cluster.wait_for_nodes()
             if not ray.is_initialized():
                 ray.init(address=cluster.address, log_to_driver=True)
-            ray.get(_own_service.options(resources={"node_a": 0.01}).remote())
-            raw = ray.get(_raw_peer.options(resources={"node_b": 0.01}).remote(pieces))
-            pipe = ray.get(_peer_load.options(resources={"node_b": 0.01}, num_gpus=1 if DEV == "cuda" else 0)
+            ray.get(own_service.options(resources={"node_a": 0.01}).remote())
+            raw = ray.get(raw_peer.options(resources={"node_b": 0.01}).remote(pieces))
+            pipe = ray.get(peer_load.options(resources={"node_b": 0.01}, num_gpus=1 if DEV == "cuda" else 0)
                            .remote(uri, DEV))
             r = {"raw_ray": raw, "pipeline": pipe, "ratio": pipe["GBps"] / raw["GBps"]}
             print(f"peer round {i}: raw Ray read {raw['GBps']:.2f} GB/s; load to GPU + cache from the peer "
@@ -229,14 +230,12 @@ def _remote_fns():
     @ray.remote(num_cpus=0)
     def raw_peer(pieces: list) -> dict:
         from deployments.peers import NAMESPACE, PREFIX
-        from weights.format import read_packed
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(PREFIX)
                  and a["name"] != PREFIX + ray.get_runtime_context().get_node_id()]
         h = ray.get_actor(names[0], namespace=NAMESPACE)
         root = Path(ray.get(h.ping.remote()))
         f = next(root.rglob("model.cst"))
         key = f.parent.name
-        read_packed(f)
 
         def one(p):
             a = ray.get(h.read.remote(key, "model.cst", p[0], p[1]))
@@ -344,11 +343,8 @@ def part_serve(packed: Path, uri: str, rounds: int, zero_only: bool = False) -> 
     return res
 
 
-_own_service = _raw_peer = _peer_load = None
-
-
 def main() -> None:
-    global _own_service, _raw_peer, _peer_load, DEV
+    global DEV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--packed", default="/tmp/coldstart-bench/packed",
                     help="the packed model to serve (the default: the 7B random checkpoint, made there if absent)")
@@ -379,7 +375,6 @@ def main() -> None:
             out.update(fleet_fields(out["source"]))
         Path(a.out).write_text(json.dumps(out, indent=1))
         if "peer" in parts:
-            _own_service, _raw_peer, _peer_load = _remote_fns()
             held = Path(a.held_cache) if a.held_cache else Path(out["source"]["cache_with_model"])
             out["peer"] = part_peer(packed, uri, held, a.rounds)
             Path(a.out).write_text(json.dumps(out, indent=1))
