@@ -370,3 +370,17 @@ def error_body(message: str, status: int, *, param: str | None = None, code: str
     (``model_not_found``); ``param``, the request field at fault, where one is."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status if code is None else code}}
+
+
+def replay(body: bytes, then: Any) -> Any:
+    """An ASGI ``receive`` that gives the whole ``body``, read earlier, as one message, then awaits
+    ``then()`` (what the client sends next: its disconnect) for every later call."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+    return receive

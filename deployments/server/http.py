@@ -78,15 +78,7 @@ class BodyGuard:
             self.server.metrics.request("cancelled")
             log.info("%s %s: the client disconnected while sending its body", scope["method"], cut(scope["path"]))
             return
-        sent = False
-
-        async def replay() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await _until_disconnect(receive, scope)
-        await self.app(scope, replay, tagged)
+        await self.app(scope, api.replay(body, lambda: _until_disconnect(receive, scope)), tagged)
 
     async def _read(self, scope: dict, receive: Callable) -> bytes | None:
         """The body, or None where the client disconnected first; ``_Refused`` where it is larger

@@ -28,7 +28,7 @@ import logging
 from typing import Any, Callable
 
 from deployments import envs
-from deployments.server.api import RETRY_AFTER_S, error_body
+from deployments.server.api import RETRY_AFTER_S, error_body, replay
 
 log = logging.getLogger("coldstart.proxy")
 
@@ -61,15 +61,8 @@ class BodyFirst:
         body = await self._read(scope, receive, send, declared)
         if body is None:
             return
-        sent = False
-
-        async def replay() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # what comes next is the client's disconnect: the proxy listens for it
-        await self.app(scope, replay, retry_after)
+        # what comes after the body is the client's disconnect: the proxy listens for it
+        await self.app(scope, replay(body, receive), retry_after)
 
     async def _read(self, scope: dict, receive: Callable, send: Callable, declared: bytes | None) -> bytes | None:
         """The whole body; None where it was answered here (408, 413) or its client went away."""
