@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rerun_interpreted(test_file: str, timeout: float) -> tuple[subprocess.CompletedProcess, str]:
+    """``test_file``'s test_interp_* cases again in a fresh process with TRITON_INTERPRET=1 (skipped
+    where Triton is absent, and inside that process itself); the process and its summary line."""
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        pytest.skip("this process is the interpreter run")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", test_file],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=timeout)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    return proc, summary
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # fp32: tight; fp16/bf16: about 2 ulps (rtol = 2 * eps) with a small atol for values near 0.

@@ -10,19 +10,15 @@ process with TRITON_INTERPRET=1 (or run `TRITON_INTERPRET=1 pytest tests/test_ke
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from deployments.kernels import ops
-from helpers_kernels import (ATTN_CASES, DTYPES, EPS, NORM_SHAPES, PAGED_CASES, ROPE_CASES, SILU_SHAPES, TOL, attn_inputs,
+from helpers_kernels import (ATTN_CASES, DTYPES, EPS, INTERPRETED, NORM_SHAPES, PAGED_CASES, ROPE_CASES, SILU_SHAPES, TOL,
+                             attn_inputs, rerun_interpreted,
                              gen, norm_inputs, paged_inputs, randn, rope_inputs)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # ----------------------------------------------------------------------------- references
 
 
@@ -260,14 +256,7 @@ def interp():
 
 def test_triton_interpreter():
     """Reruns this file's test_interp_* cases in a fresh process with TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this process is the interpreter run")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__],
-        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    proc, summary = rerun_interpreted(__file__, timeout=600)
     assert proc.returncode == 0 and "skipped" not in summary, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 

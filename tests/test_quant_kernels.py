@@ -6,10 +6,6 @@ plan's fallback where no kernel runs; and the fp8 _scaled_mm path's activation q
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +13,10 @@ import torch
 from deployments.kernels import quant as qk
 from deployments.model.quant import QuantLinear, method_for
 from conftest import gpu
-from helpers_kernels import TOL
+from helpers_kernels import INTERPRETED, TOL, rerun_interpreted
 from helpers_quant import SCHEMES, quantize_layer
 from weights.quant import scheme_of
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _spec(scheme: str, N: int, K: int, seed: int = 0) -> qk.WeightSpec:
@@ -58,14 +53,7 @@ def test_rowwise_fp8_quantisation_keeps_each_row_within_its_scale():
 
 def test_triton_interpreter():
     """Reruns this file's test_interp_* cases in a fresh process with TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        pytest.skip("this process is the interpreter run")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_", __file__],
-        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    proc, summary = rerun_interpreted(__file__, timeout=900)
     assert proc.returncode == 0 and "failed" not in summary, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
