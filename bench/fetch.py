@@ -36,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.meta import commit  # noqa: E402
+
 WORK = Path(tempfile.gettempdir()) / "coldstart-fetch"
 PIECE = 16 << 20
 THREADS = 16
@@ -365,8 +367,7 @@ def main() -> None:
     out: dict = {"host": socket.gethostname(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "packed": str(packed)}
     out["gpu"] = torch.cuda.get_device_name() if DEV == "cuda" else None
-    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                   text=True).stdout.strip() or None
+    out["commit"] = commit()
     server, uri = start_source(packed)
     parts = a.parts.split(",")
     try:

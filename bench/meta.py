@@ -4,6 +4,7 @@ commit, time), so that a figure can be told from another machine's or another tr
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import subprocess
 import sys
@@ -21,10 +22,11 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> str:
-    """The tree's commit, with "+changes" where tracked files differ from it; "unknown" without git."""
+    """The tree's commit, with "+changes" where tracked files differ from it. Where the tree is a
+    copy without git (a GPU machine's), $BENCH_COMMIT as the sender set it, else "unknown"."""
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None:
-        return "unknown"
+        return os.environ.get("BENCH_COMMIT") or "unknown"
     return head + ("+changes" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 

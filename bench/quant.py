@@ -24,7 +24,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.load import run, warm_cache  # noqa: E402
-
-
-def _commit() -> str:
-    p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return p.stdout.strip() or "unknown"
+from bench.meta import commit  # noqa: E402
 
 
 def packs(a: argparse.Namespace) -> dict[str, Path]:
@@ -121,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     if bad:
         ap.error(f"--formats: {', '.join(bad)} unknown; choose from {', '.join(DEMO_FORMATS)}")
     import torch
-    res: dict = {"host": platform.node(), "commit": _commit(),
+    res: dict = {"host": platform.node(), "commit": commit(),
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
                  "torch": torch.__version__, "shape": a.shape, "layers": a.layers, "rows": []}
