@@ -302,7 +302,8 @@ def from_zero(name: str, app, body: dict) -> dict:
     return out
 
 
-def part_serve(packed: Path, uri: str, rounds: int, zero_only: bool = False) -> dict:
+def part_serve(packed: Path, uri: str, rounds: int, res: dict, zero_only: bool = False) -> None:
+    """Fills ``res`` as each start is measured (a run cut short keeps the rounds it finished)."""
     import ray
     from ray import serve
 
@@ -318,7 +319,7 @@ def part_serve(packed: Path, uri: str, rounds: int, zero_only: bool = False) -> 
         dep = LLMDeployment.options(ray_actor_options={"num_gpus": 1 if DEV == "cuda" else 0, "runtime_env": {"env_vars": {
             **ENV, **CONFIG_ENV, **s3, **env}}}, user_config=WARMUP, **opts)
         return dep.bind(model=model, device=DEV, engine={"max_slots": 16, "max_seq_len": 4096 if DEV == "cuda" else 512})
-    res: dict = {"rounds": []}
+    res["rounds"] = []
     for i in range(0 if zero_only else rounds):
         local = measure(f"coldstart-local-{i}", app(str(packed), {"COLDSTART_EARLY_WEIGHTS": str(packed)}),
                         "/generate", body)
@@ -342,7 +343,6 @@ def part_serve(packed: Path, uri: str, rounds: int, zero_only: bool = False) -> 
                                                  autoscaling_config=cfg), body)})
     serve.shutdown()
     ray.shutdown()
-    return res
 
 
 def main() -> None:
@@ -380,8 +380,9 @@ def main() -> None:
             out["peer"] = part_peer(packed, uri, held, a.rounds)
             Path(a.out).write_text(json.dumps(out, indent=1))
         if "serve" in parts:
-            out["serve"] = part_serve(packed, uri, a.rounds, a.zero_only)
-    finally:
+            out["serve"] = {}
+            part_serve(packed, uri, a.rounds, out["serve"], a.zero_only)
+    finally:  # (also on SIGINT: `timeout -s INT` keeps what was measured)
         server.terminate()
         Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.out}", flush=True)
