@@ -224,10 +224,23 @@ def profile_steps(engine: Engine, prompts: list[list[int]], others: list[list[in
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
     res["cprofile_tottime"] = buf.getvalue().splitlines()
+    # the kernels of one more run of ``others``, by their device time per decode step (all of the
+    # run's kernels, its prefills' too, over its decode steps)
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.prefill_kernels import kernel_rows
+    before = engine.stats()["steps"]
+    with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as kp:
+        run_concurrent(engine, others, new_tokens, device)
+        sync(device)
+    steps = max(engine.stats()["steps"] - before, 1)
+    res["kernels_per_step"] = kernel_rows(kp, steps, device.type == "cuda")[:25]
     for k, v in res.items():
-        if k != "cprofile_tottime":
+        if k not in ("cprofile_tottime", "kernels_per_step"):
             print(f"profile {k} {v:.3f}" if isinstance(v, float) else f"profile {k} {v}")
     print("\n".join(res["cprofile_tottime"][:45]))
+    for r in res["kernels_per_step"][:20]:
+        print(f"kernel {r['ms']:8.3f} ms {r['calls']:5d}x  {r['kernel']}")
     return res
 
 

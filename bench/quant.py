@@ -71,8 +71,21 @@ def measure(fmt: str, dest: Path, a: argparse.Namespace) -> dict:
     row["weights_GBps_b1"] = res["weights_gb_per_s_b1"]
     row.update({k: v for k, v in res.items() if k.startswith("tokens_per_s_b")})
     row["build_steps_s"] = res.get("build_steps_s", {})
+    del res
+    _free(a.device)  # the engine's cache and graphs, before the next load checks the free memory
     row["kernels"] = _kernels(dest, a.device)
+    _free(a.device)
     return row
+
+
+def _free(device: str) -> None:
+    """Return what the finished runs held to the device (the loader checks the device's free memory)."""
+    import gc
+
+    import torch
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _load_here(dest: Path) -> dict:
