@@ -114,12 +114,16 @@ def load_remote(uri: str, cache_dir: Path) -> dict:
     """``weights.load`` of the URI onto the GPU, the node cache at ``cache_dir``; its phases."""
     from weights import load
     from weights.cache import NodeCache
+    from weights.fetch import Fetch, resolve
     t0 = time.perf_counter()
-    m = load(uri, DEV, cache=NodeCache(cache_dir))
+    f = resolve(uri, NodeCache(cache_dir))
+    m = load(f, DEV)
     _sync()
     wall = time.perf_counter() - t0
     phases = {p.name: {"seconds": p.seconds, **({"GBps": p.gbps} if p.gbps else {})} for p in m.timer.phases}
     out = {"wall_s": wall, "bytes": m.packed.data_bytes, "GBps": m.packed.data_bytes / wall / 1e9, "phases": phases}
+    if isinstance(f, Fetch):  # the reader threads' busy seconds by step (which one limits the transfer)
+        out["busy_s"] = dict(f.stats.busy_s)
     del m
     _sync(empty=True)
     return out
@@ -266,7 +270,7 @@ def _remote_fns():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         return {"wall_s": wall, "GBps": m.packed.data_bytes / wall / 1e9, "bytes_from": f.stats.bytes_from,
-                "dropped": f.stats.dropped,
+                "dropped": f.stats.dropped, "busy_s": f.stats.busy_s,
                 "phases": {p.name: p.seconds for p in m.timer.phases}}
     return own_service, raw_peer, peer_load
 

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from conftest import gpu, rewrite_index
 from weights import (DeviceMemoryError, LoadOptions, PackedFormatError, PackOptions, PhaseTimer,
                      load, pack, read_packed)
+from weights import checksum
 from weights.checksum import chunk_sums
 from weights.format import PREAMBLE_BYTES
 from deployments.tools.doctor import drop_page_cache
@@ -260,6 +262,15 @@ def test_libcudart_is_bound_once_and_a_miss_is_not_kept(monkeypatch):
     found[0] = object.__new__(CudaRT)
     assert CudaRT.shared() is found[0]
     assert CudaRT.shared() is found[0] and len(calls) == 3
+
+
+@pytest.mark.parametrize("n, chunk", [((3 << 20) + 8192, 1 << 20), (16 << 20, 16 << 20), (4096, 1 << 20)])
+@pytest.mark.parametrize("fill", ["random", "ones"])  # all ones: every sum wraps past 2**64
+def test_the_host_checksum_of_a_transfer_gives_the_index_sums(n, chunk, fill):
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8) if fill == "random" else torch.full((n,), 255, dtype=torch.uint8)
+    got = checksum.chunk_sums_host(data.numpy(), chunk)
+    assert got.dtype == np.int64 and got.tolist() == checksum.chunk_sums_tensor(data, chunk).tolist()
+    assert [(a & (2**64 - 1), b & (2**64 - 1)) for a, b in got.tolist()] == chunk_sums(data, chunk)
 
 
 @gpu

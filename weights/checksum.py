@@ -22,6 +22,7 @@ past the end of a short last chunk count as zero.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 COLS = 512  # words per row: 4 KiB
@@ -66,6 +67,32 @@ def chunk_sums_tensor(data: torch.Tensor, chunk_bytes: int, first_chunk: int = 0
         cols = tail.sum(dim=0)
         out[-1, 0] = rows.sum()
         out[-1, 1] = (rows * r_w[: rows.numel()]).sum() + (cols * c_w).sum()
+    return out
+
+
+def chunk_sums_host(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
+    """``chunk_sums_tensor`` of a host buffer (uint8, a multiple of 4096 bytes) with numpy: the
+    same sums, ``[n, 2]`` int64. For many threads checking pieces at once (a remote model's
+    transfer): numpy's reductions run in the calling thread without the GIL, where each of torch's
+    would start a pool of threads of its own in every calling thread, many times the cores."""
+    words = data.view(np.int64)
+    per_chunk = chunk_bytes // 8
+    full = words.size // per_chunk
+    tail = words[full * per_chunk:]
+    out = np.empty((full + (tail.size > 0), 2), dtype=np.int64)
+    r_w = np.arange(per_chunk // COLS, dtype=np.int64) * COLS
+    c_w = np.arange(1, COLS + 1, dtype=np.int64)
+    if full:
+        x = words[: full * per_chunk].reshape(full, -1, COLS)
+        rows = x.sum(axis=2)  # [k, R]
+        cols = x.sum(axis=1)  # [k, COLS]
+        out[:full, 0] = rows.sum(axis=1)
+        out[:full, 1] = (rows * r_w).sum(axis=1) + (cols * c_w).sum(axis=1)
+    if tail.size:
+        t = tail.reshape(-1, COLS)
+        rows = t.sum(axis=1)
+        out[-1, 0] = rows.sum()
+        out[-1, 1] = (rows * r_w[: rows.size]).sum() + (t.sum(axis=0) * c_w).sum()
     return out
 
 

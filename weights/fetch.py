@@ -85,6 +85,9 @@ class OriginSource:
 class _Stats:
     bytes_from: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
+    # the reader threads' seconds in each step of a piece, summed over the threads: the sources'
+    # answers, the checksums, the writes into the cache file (which step limits the transfer)
+    busy_s: dict[str, float] = field(default_factory=lambda: {"read": 0.0, "check": 0.0, "write": 0.0})
 
 
 class Fetch:
@@ -177,16 +180,24 @@ class Fetch:
         while (src := self._pick(chunks, origin_ok=origin_tries < self.ORIGIN_TRIES)) is not None:
             with self._lock:
                 self._busy[src.name] = self._busy.get(src.name, 0) + 1
+            t0 = time.perf_counter()
+            t1 = None
             try:
                 src.read_into(self.rel, at, view[:length])
+                t1 = time.perf_counter()
                 bad = self._check(view, off, length)
             except Exception as e:  # any failure of a source: the next one is tried
                 bad = f"failed ({e})"
             finally:
+                t2 = time.perf_counter()
                 with self._lock:
                     self._busy[src.name] -= 1
+                    self.stats.busy_s["read"] += (t1 or t2) - t0
+                    self.stats.busy_s["check"] += t2 - (t1 or t2)
             if bad is None:
                 self._land(view, off, length, src, chunks)
+                with self._lock:
+                    self.stats.busy_s["write"] += time.perf_counter() - t2
                 return
             failures.append(f"{src.name}: {bad}")
             if isinstance(src, OriginSource):
@@ -199,13 +210,11 @@ class Fetch:
                           "is corrupt)")
 
     def _check(self, view: memoryview, off: int, length: int) -> str | None:
-        import torch
-
         from . import checksum
         # every piece is whole 4 KiB pages: the data region and its chunks are multiples of 4096
-        data = torch.frombuffer(view, dtype=torch.uint8, count=length)
+        data = np.frombuffer(view, dtype=np.uint8, count=length)
         first = off // self.cb
-        got = checksum.chunk_sums_tensor(data, self.cb).tolist()
+        got = checksum.chunk_sums_host(data, self.cb).tolist()
         for i, (a, b) in enumerate(got):
             want = self._sums[first + i]
             if (a & 0xFFFFFFFFFFFFFFFF, b & 0xFFFFFFFFFFFFFFFF) != tuple(want):

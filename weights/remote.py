@@ -172,17 +172,13 @@ class Origin:
 
 
 def copy_into(view: memoryview, src: memoryview) -> None:
-    """``view[:] = src`` without holding the GIL for the copy (many reader threads copy at once)."""
+    """``view[:] = src`` without holding the GIL for the copy (many reader threads copy at once;
+    numpy's copy runs in the calling thread, where torch's would start a thread pool in each)."""
     if len(src) < 1 << 20:
         view[:] = src
         return
-    import warnings
-
-    import torch
-    with warnings.catch_warnings():  # a read-only source is only read
-        warnings.simplefilter("ignore", UserWarning)
-        s = torch.frombuffer(src, dtype=torch.uint8)
-    torch.frombuffer(view, dtype=torch.uint8).copy_(s)
+    import numpy as np
+    np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
 
 
 def _open_store(uri: str, t: Timeouts) -> Any:
