@@ -22,11 +22,14 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> str:
-    """The tree's commit, with "+changes" where tracked files differ from it. Where the tree is a
-    copy without git (a GPU machine's), $BENCH_COMMIT as the sender set it, else "unknown"."""
+    """The tree's commit, with "+changes" where tracked files differ from it; "unknown" without
+    git. $BENCH_COMMIT, where set, instead: a copy of the tree sent to another machine, whose git
+    state may not be the copy's."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None:
-        return os.environ.get("BENCH_COMMIT") or "unknown"
+        return "unknown"
     return head + ("+changes" if _git("status", "--porcelain", "--untracked-files=no") else "")
 
 

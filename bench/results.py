@@ -233,6 +233,45 @@ def _tp(p: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _fetch(p: dict) -> list[tuple[str, str]]:
+    """bench/fetch.py's parts (each a run of some of its parts: source, peer, serve)."""
+    rows = []
+    for f in p.values():
+        src = f.get("source")
+        if src:
+            raw = [r["raw_obstore"]["GBps"] for r in src["rounds"]]
+            pipe = [r["pipeline"]["GBps"] for r in src["rounds"]]
+            rows.append(("a remote 7B from a local S3-speaking source: plain ranged reads (obstore, 16 at once)",
+                         _each(raw, 2, "GB/s")))
+            rows.append(("the same model loaded into the GPU and the node cache, every piece checked",
+                         f"**{_each(pipe, 2, 'GB/s')}** ({_each([r['ratio'] for r in src['rounds']], 2)} of the "
+                         "plain reads)"))
+            rows.append(("the next load, from the node's copy; the packed directory",
+                         f"{_num(src['node_copy']['GBps'])} GB/s; {_num(src['local_packed']['GBps'])} GB/s"))
+        peer = f.get("peer")
+        if peer:
+            rows.append(("a node with an empty cache from a peer's cache (Ray objects): plain reads; the load",
+                         f"{_each([r['raw_ray']['GBps'] for r in peer['rounds']], 2, 'GB/s')}; **"
+                         f"{_each([r['pipeline']['GBps'] for r in peer['rounds']], 2, 'GB/s')}**"))
+        serve = f.get("serve")
+        for label, key in (("a replica's start (Ray added -> RUNNING), the model on the node", "local"),
+                           ("the same, the model at the source and an empty node cache", "remote_empty_cache"),
+                           ("the same, the model at the source and in the node cache", "remote_node_copy")):
+            if serve and serve.get("rounds"):
+                v = _each([r[key]["start_to_running_s"] for r in serve["rounds"]], 2, "s")
+                rows.append((label, f"**{v}**" if key == "remote_empty_cache" else v))
+        for tag in ("defaults", "shipped", "interval-only"):
+            z = [r for r in (serve or {}).get("scale_from_zero", []) if r["config"] == tag]
+            if z:
+                what = {"defaults": "Ray's autoscaling defaults", "shipped": "serve_config.zero.yaml's settings",
+                        "interval-only": "only its metrics interval"}[tag]
+                v = _each([r["first_answer_s"] for r in z], 2, "s")
+                rows.append((f"scaled to zero, the first request's answer: {what}",
+                             f"{'**' + v + '**' if tag == 'shipped' else v} (its replica added "
+                             f"{_each([r['added_after_request_s'] for r in z], 2, 's')} after the request)"))
+    return rows
+
+
 def _scalars(d: dict, prefix: str = "") -> list[tuple[str, str]]:
     """A part whose shape this file does not know: its numeric fields (a "summary" dict's where it has one)."""
     d = d.get("summary", d) if isinstance(d.get("summary"), dict) else d
@@ -246,7 +285,7 @@ def _generic(p: dict) -> list[tuple[str, str]]:
 
 FIGURES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "tests": _tests, "load": _load, "engine": _engine, "kernels": _kernels, "serve": _serve,
-    "fresh-node": _fresh_node, "http": _http, "tp": _tp, "fetch": _generic, "quant": _generic}
+    "fresh-node": _fresh_node, "http": _http, "tp": _tp, "fetch": _fetch, "quant": _generic}
 WHAT = {"tests": "the GPU tests", "load": "weights onto the GPU", "engine": "the engine alone (tokens/s, decode)",
         "kernels": "where a step's device time goes", "serve": "a replica's start in Ray Serve",
         "fresh-node": "a new node's first replica", "http": "tokens/s through Ray Serve's HTTP front",

@@ -136,25 +136,25 @@ def test_a_script_stage_is_skipped_with_a_line_where_its_script_is_absent(suite,
 
 def test_a_stage_writes_its_one_file_and_a_failed_one_keeps_it(suite, tmp_path):
     # a stand-in for the script another change brings: what the stage passes it, and its JSON
-    (suite / "bench" / "fetch.py").write_text(
+    (suite / "bench" / "quant.py").write_text(
         "import json, sys\n"
         "a = sys.argv[1:]\n"
         "if '--fail' in a: sys.exit('failed on purpose')\n"
         "open(a[a.index('--out') + 1], 'w').write(json.dumps({'summary': {'GBps': 1.5}, 'args': a}))\n")
     out = suite / "bench" / "results"
-    r = _gpu_sh(suite, str(out), "fetch", FETCH_ARGS="--from s3://b/m")
+    r = _gpu_sh(suite, str(out), "quant", QUANT_ARGS="--from s3://b/m")
     assert r.returncode == 0, r.stdout + r.stderr
-    d = json.loads((out / "fetch.json").read_text())
-    assert d["stage"] == "fetch" and d["command"] == "FETCH_ARGS=--from\\ s3://b/m bash bench/gpu.sh OUT fetch"
+    d = json.loads((out / "quant.json").read_text())
+    assert d["stage"] == "quant" and d["command"] == "QUANT_ARGS=--from\\ s3://b/m bash bench/gpu.sh OUT quant"
     assert re.fullmatch(r"[0-9a-f]{12}(\+changes)?", d["commit"]) and d["host"] and d["gpu"] and d["time"]
-    assert d["parts"]["fetch"]["summary"] == {"GBps": 1.5}
-    assert d["parts"]["fetch"]["args"][-2:] == ["--from", "s3://b/m"]
+    assert d["parts"]["quant"]["summary"] == {"GBps": 1.5}
+    assert d["parts"]["quant"]["args"][-2:] == ["--from", "s3://b/m"]
     # the results dir is the tree's: RESULTS.md made again, with the new figure
     md = (suite / "bench" / "RESULTS.md").read_text()
-    assert "| `GBps` | 1.500 |" in md and "File: [bench/results/fetch.json](results/fetch.json)" in md
-    r = _gpu_sh(suite, str(out), "fetch", FETCH_ARGS="--fail")
-    assert r.returncode != 0 and "=== fetch failed" in r.stdout and "left as it was" in r.stdout
-    assert json.loads((out / "fetch.json").read_text()) == d
+    assert "| `GBps` | 1.500 |" in md and "File: [bench/results/quant.json](results/quant.json)" in md
+    r = _gpu_sh(suite, str(out), "quant", QUANT_ARGS="--fail")
+    assert r.returncode != 0 and "=== quant failed" in r.stdout and "left as it was" in r.stdout
+    assert json.loads((out / "quant.json").read_text()) == d
 
 
 def test_the_figures_of_a_stage_run_with_its_variants():
