@@ -340,8 +340,7 @@ def part_serve(packed: Path, uri: str, rounds: int, res: dict, zero_only: bool =
     shipped = _shipped_zero_autoscaling()
     res["scale_from_zero"] = []
     for i in range(rounds):
-        for tag, cfg in (("defaults", zero), ("shipped", {**shipped, "max_replicas": 1}),
-                         ("interval-only", {**zero, "metrics_interval_s": shipped["metrics_interval_s"]})):
+        for tag, cfg in (("defaults", zero), ("shipped", {**shipped, "max_replicas": 1})):
             res["scale_from_zero"].append({"config": tag, "autoscaling": cfg, **from_zero(
                 f"coldstart-zero-{tag}-{i}", app(str(packed), {"COLDSTART_EARLY_WEIGHTS": str(packed)},
                                                  autoscaling_config=cfg), body)})

@@ -88,10 +88,12 @@ def gpu_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
 ZERO_CONFIG = ROOT / "serve_config.zero.yaml"
 # where serve_config.zero.yaml's nodes find the packed model: object storage (`coldstart push`)
 ZERO_MODEL = "s3://models/llama-2-7b"
-# a deployment scaled to zero: Ray's proxy holds the first request until a replica is warm; these
-# settings bring that replica soonest and keep it a while (docs/operations.md "Scale from zero")
-ZERO_AUTOSCALING = {"min_replicas": 0, "initial_replicas": 0, "upscale_delay_s": 0,
-                    "metrics_interval_s": 0.5, "look_back_period_s": 5, "downscale_to_zero_delay_s": 900}
+# a deployment scaled to zero: Ray's proxy holds the first request until a replica is warm. The
+# proxy reports the held request with its metrics, so their interval is how late the replica is
+# added (Ray's scale from zero waits for no upscale delay or look-back); the replica is then kept
+# a while (docs/operations.md "Scale from zero")
+ZERO_AUTOSCALING = {"min_replicas": 0, "initial_replicas": 0, "metrics_interval_s": 0.5,
+                    "downscale_to_zero_delay_s": 900}
 
 
 def zero_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
