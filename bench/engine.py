@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import os
 import subprocess
@@ -79,13 +80,18 @@ def load_tensors(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             lay = layout(cfg, args.tp_rank)
             shapes = {k: shard_shape(k, v, lay) for k, v in shapes.items()}
             cfg = rank_config(cfg, args.tp_rank)
+        # one buffer in the packer's order, as the loader gives a packed model's: q/k/v and
+        # gate/up back to back, so the build fuses them (separate tensors take the unfused path)
         g = torch.Generator(device=device).manual_seed(0)
-        tensors = {}
+        flat = torch.empty(sum(math.prod(s) for s in shapes.values()), device=device, dtype=dtype)
+        tensors, at = {}, 0
         for k, s in shapes.items():
+            t = tensors[k] = flat[at: at + math.prod(s)].view(s)
+            at += t.numel()
             if len(s) == 1:
-                tensors[k] = torch.ones(s, device=device, dtype=dtype)
+                t.fill_(1.0)
             else:
-                tensors[k] = (torch.randn(s, device=device, dtype=dtype, generator=g) * 0.02)
+                t.normal_(0.0, 0.02, generator=g)
         return cfg, tensors
     d = Path(args.model)
     if (d / "model.cst").exists():  # packed directory: the project loader
