@@ -108,6 +108,32 @@ def _kernels(dest: Path, device: str) -> str:
     return layer.method.kernels.describe() if layer is not None else "fp16 (cuBLAS / Triton GEMV)"
 
 
+def whole_sizes(a: argparse.Namespace) -> dict:
+    """Each format's pack of the whole --shape, in bytes, from packs of 1 and 2 of its layers made
+    on this machine (a layer's bytes are their difference; the rest is the embeddings, the head
+    and the side files): the size of a model too large to draw, such as a 70B."""
+    import shutil
+
+    from weights import PackOptions, make_demo, pack
+    from weights.demo import SHAPES
+    out = {}
+    for fmt in ["fp16", *a.formats]:
+        size = {}
+        for layers in (1, 2):
+            src, dest = Path(a.work) / f"size-{fmt}-{layers}-hf", Path(a.work) / f"size-{fmt}-{layers}"
+            make_demo(src, a.shape, device=a.device, layers=layers, force=True, quant=None if fmt == "fp16" else fmt)
+            pack(src, dest, PackOptions(force=True, progress=False))
+            size[layers] = sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
+            shutil.rmtree(src)
+            shutil.rmtree(dest)
+        per_layer = size[2] - size[1]
+        out[fmt] = {"per_layer_bytes": per_layer,
+                    "whole_bytes": size[1] + (SHAPES[a.shape].layers - 1) * per_layer}
+        print(f"{a.shape} {fmt}: {out[fmt]['whole_bytes'] / 1e9:.2f} GB packed "
+              f"({per_layer / 1e9:.3f} GB a layer)", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="/tmp/coldstart-quant", help="where the checkpoints and packs are kept")
@@ -123,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--out", type=Path, help="write the JSON here too")
+    ap.add_argument("--sizes-only", action="store_true",
+                    help="only each format's pack size of the whole --shape (whole_sizes; runs on a CPU)")
     a = ap.parse_args(argv)
     from weights.quantize import DEMO_FORMATS
     bad = [f for f in a.formats if f not in DEMO_FORMATS]
@@ -133,6 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
                  "torch": torch.__version__, "shape": a.shape, "layers": a.layers, "rows": []}
+    if a.sizes_only:
+        res["whole_sizes"] = whole_sizes(a)
+        res["command"] = "python bench/quant.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(res, indent=1))
+        return res
     for fmt, dest in packs(a).items():
         res["rows"].append(measure(fmt, dest, a))
         print(json.dumps(res["rows"][-1]), flush=True)

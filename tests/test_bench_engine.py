@@ -68,3 +68,21 @@ def test_bench_quant_refuses_an_unknown_format(tmp_path):
     r = subprocess.run([sys.executable, "bench/quant.py", "--formats", "int3"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "--formats: int3 unknown" in r.stderr
+
+
+def test_bench_quant_sizes_a_whole_shape_from_two_of_its_layers(tmp_path):
+    """--sizes-only's extrapolation, on a shape small enough to pack whole: the same bytes, to the
+    few of the side files that do not grow with the layers (the layer count written in them)."""
+    from weights import PackOptions, make_demo, pack
+    out = tmp_path / "sizes.json"
+    r = subprocess.run([sys.executable, "bench/quant.py", "--work", str(tmp_path / "work"), "--shape", "small",
+                        "--formats", "gptq", "--device", "cpu", "--sizes-only", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sizes = json.loads(out.read_text())["whole_sizes"]
+    for fmt in ("fp16", "gptq"):
+        make_demo(tmp_path / fmt, "small", quant=None if fmt == "fp16" else fmt)
+        pack(tmp_path / fmt, tmp_path / f"{fmt}-packed", PackOptions(progress=False))
+        whole = sum(f.stat().st_size for f in (tmp_path / f"{fmt}-packed").iterdir() if f.is_file())
+        assert abs(sizes[fmt]["whole_bytes"] - whole) < 64 and 0 < sizes[fmt]["per_layer_bytes"] < whole
+    assert sizes["gptq"]["whole_bytes"] < sizes["fp16"]["whole_bytes"] / 2
