@@ -131,6 +131,16 @@ def test_check_fails_when_the_simulation_is_off(tmp_path, capsys):
     assert "NOT within 10 %" in capsys.readouterr().out
 
 
+def test_check_says_when_the_host_not_the_network_was_the_limit(tmp_path, capsys):
+    # a source of 22 GB/s and no other limit, the transfer at 4.85 GB/s (one H100 host's figures)
+    path = _measurement(tmp_path, connection_mbps=None, source_gbps=22.4, fetch_gbps=4.85)
+    assert main(["--check", path]) == 1
+    out = capsys.readouterr().out
+    assert "NOT within 10 %" in out and "the transfer ran at 4.85 GB/s where the network's limits allow 22.4" in out
+    assert main(["--check", _measurement(tmp_path)]) == 0  # where the network was the limit: no such line
+    assert "the host's own work" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("bad, field", [({"threads": 0}, "threads"), ({"fetch_gbps": "fast"}, "fetch_gbps"),
                                         ({"model_bytes": None}, "model_bytes")])
 def test_check_names_the_bad_field(tmp_path, capsys, bad, field):
