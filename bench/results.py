@@ -272,6 +272,27 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _quant(p: dict) -> list[tuple[str, str]]:
+    """bench/quant.py's parts: a run's row per pack, and --sizes-only's whole-shape sizes."""
+    rows = []
+    for name, f in p.items():
+        if "rows" not in f and "whole_sizes" not in f:  # a part of another shape: its numbers
+            rows += _scalars(f, name if len(p) > 1 else "")
+            continue
+        shape = f.get("shape", "")
+        for fmt, v in (f.get("whole_sizes") or {}).items():
+            rows.append((f"a whole {shape}-shaped pack, {fmt}", f"{_num(v['whole_bytes'] / 1e9)} GB"))
+        layers = f" ({f['layers']} of its layers)" if f.get("layers") else ""
+        for r in f.get("rows", []):
+            tps = {int(k[len("tokens_per_s_b"):]): v for k, v in r.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
+            wide = max(tps) if tps else None
+            rows.append((f"{shape}{layers}, {r['format']} ({_num(r['file_GB'])} GB): warm load; batch-1 decode"
+                         + (f"; {wide} requests at once" if wide else ""),
+                         f"{_num(r['load_s'])} s; **{_num(r['decode_ms_per_token_b1'])} ms/token**"
+                         + (f"; {_num(tps[wide], 0)} tokens/s" if wide else "") + f" ({r['kernels']})"))
+    return rows
+
+
 def _scalars(d: dict, prefix: str = "") -> list[tuple[str, str]]:
     """A part whose shape this file does not know: its numeric fields (a "summary" dict's where it has one)."""
     d = d.get("summary", d) if isinstance(d.get("summary"), dict) else d
@@ -279,13 +300,9 @@ def _scalars(d: dict, prefix: str = "") -> list[tuple[str, str]]:
             for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)][:12]
 
 
-def _generic(p: dict) -> list[tuple[str, str]]:
-    return [row for name, part in p.items() for row in _scalars(part, name if len(p) > 1 else "")]
-
-
 FIGURES: dict[str, Callable[[dict], list[tuple[str, str]]]] = {
     "tests": _tests, "load": _load, "engine": _engine, "kernels": _kernels, "serve": _serve,
-    "fresh-node": _fresh_node, "http": _http, "tp": _tp, "fetch": _fetch, "quant": _generic}
+    "fresh-node": _fresh_node, "http": _http, "tp": _tp, "fetch": _fetch, "quant": _quant}
 WHAT = {"tests": "the GPU tests", "load": "weights onto the GPU", "engine": "the engine alone (tokens/s, decode)",
         "kernels": "where a step's device time goes", "serve": "a replica's start in Ray Serve",
         "fresh-node": "a new node's first replica", "http": "tokens/s through Ray Serve's HTTP front",
