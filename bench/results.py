@@ -121,6 +121,11 @@ def _engine(p: dict) -> list[tuple[str, str]]:
                              _each([r[f"tokens_per_s_b{c}"] for r in base], 0, "tokens/s")))
         if "decode_ms_per_token_b1" in runs[0]:
             rows.append(("batch-1 decode", _each([r["decode_ms_per_token_b1"] for r in runs], 2, "ms/token")))
+    for r in _runs(p, "llama3-8b"):  # the grouped-query subject (8 kv heads, a 128k vocabulary)
+        tps = {int(k[len("tokens_per_s_b"):]): v for k, v in r.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
+        c = max(tps)
+        rows.append((f"the Llama-3-8B shape, {c} requests at once; batch-1 decode",
+                     f"**{_num(tps[c], 0)} tokens/s**; {_num(r['decode_ms_per_token_b1'])} ms/token"))
     if "prefix" in p:
         off = f"; without prefix reuse {_num(p['prefix-off']['tokens_per_s_b64'], 0)}" if "prefix-off" in p else ""
         rows.append(("64 chats behind one 1,024-token system prompt",
@@ -236,17 +241,19 @@ def _tp(p: dict) -> list[tuple[str, str]]:
 def _fetch(p: dict) -> list[tuple[str, str]]:
     """bench/fetch.py's parts (each a run of some of its parts: source, peer, serve)."""
     rows = []
-    for f in p.values():
+    several = sum("source" in f for f in p.values()) > 1
+    for name, f in p.items():
         src = f.get("source")
         if src:
+            tag = f"{name}: " if several else ""  # (runs of two trees side by side: each named)
             raw = [r["raw_obstore"]["GBps"] for r in src["rounds"]]
             pipe = [r["pipeline"]["GBps"] for r in src["rounds"]]
-            rows.append(("a remote 7B from a local S3-speaking source: plain ranged reads (obstore, 16 at once)",
-                         _each(raw, 2, "GB/s")))
-            rows.append(("the same model loaded into the GPU and the node cache, every piece checked",
+            rows.append((f"{tag}a remote 7B from a local S3-speaking source: plain ranged reads (obstore, 16 at "
+                         "once)", _each(raw, 2, "GB/s")))
+            rows.append((f"{tag}the same model loaded into the GPU and the node cache, every piece checked",
                          f"**{_each(pipe, 2, 'GB/s')}** ({_each([r['ratio'] for r in src['rounds']], 2)} of the "
                          "plain reads)"))
-            rows.append(("the next load, from the node's copy; the packed directory",
+            rows.append((f"{tag}the next load, from the node's copy; the packed directory",
                          f"{_num(src['node_copy']['GBps'])} GB/s; {_num(src['local_packed']['GBps'])} GB/s"))
         peer = f.get("peer")
         if peer:
