@@ -114,13 +114,18 @@ def _engine(p: dict) -> list[tuple[str, str]]:
             if c == 1:
                 continue
             v = _each([r[f"tokens_per_s_b{c}"] for r in runs], 0, "tokens/s")
-            rows.append((f"{c} requests at once ({_load_of(runs[0])}), {runs[0].get('kv_cache', '')} cache",
-                         f"**{v}**" if c == max(conc) else v))
+            v = f"**{v}**" if c == max(conc) else v
+            if all(f"bound_b{c}" in r for r in runs):  # bench/engine.py's bound of the load, and its share
+                v += f" ({_each([r[f'bound_b{c}']['engine_share'] for r in runs], 2)} of the GPU's bound)"
+            rows.append((f"{c} requests at once ({_load_of(runs[0])}), {runs[0].get('kv_cache', '')} cache", v))
             if base and f"tokens_per_s_b{c}" in base[0]:
                 rows.append(("the same, the baseline tree (BASELINE) in the same runs",
                              _each([r[f"tokens_per_s_b{c}"] for r in base], 0, "tokens/s")))
         if "decode_ms_per_token_b1" in runs[0]:
-            rows.append(("batch-1 decode", _each([r["decode_ms_per_token_b1"] for r in runs], 2, "ms/token")))
+            v = _each([r["decode_ms_per_token_b1"] for r in runs], 2, "ms/token")
+            if all("engine_share_decode_b1" in r for r in runs):
+                v += f" ({_each([r['engine_share_decode_b1'] for r in runs], 2)} of the GPU's bound)"
+            rows.append(("batch-1 decode", v))
     for r in _runs(p, "llama3-8b"):  # the grouped-query subject (8 kv heads, a 128k vocabulary)
         tps = {int(k[len("tokens_per_s_b"):]): v for k, v in r.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
         c = max(tps)
