@@ -332,8 +332,11 @@ def test_attention_kernel_serves_every_decode_step_with_one_key_bound(heads, tmp
     model.kernels = KernelPlan(fused=True, attention=True)  # (on CPU the kernels' torch references run)
     assert model.attention_kernel()
     assert model.decode_kv_lens(buckets) == (4096,)
-    model.model.layers[1].self_attn.qkv_w = None  # a layer whose q, k, v are apart: the matmuls
-    assert not model.attention_kernel() and model.decode_kv_lens(buckets) == buckets
+    # a layer whose q, k, v are apart (an int4 scheme's): its three products joined, the same path
+    model.model.layers[1].self_attn.qkv_w = None
+    model.model.layers[1].mlp.gate_up_w = None
+    assert model.attention_kernel() and model.decode_kv_lens(buckets) == (4096,)
+    _engine_greedy_equals_transformers(model, hf)
 
 
 @pytest.mark.gpu

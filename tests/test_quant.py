@@ -125,6 +125,23 @@ def test_engine_greedy_tokens_equal_transformers_for_32_steps(arch, scheme, cach
     _engine_greedy(model, hf, cache)
 
 
+@pytest.mark.parametrize("arch,scheme", [("mistral", "awq"), ("qwen2", "gptq-act-order"), ("llama", "gptq")])
+def test_int4_layers_that_cannot_fuse_still_take_the_fused_decode_path(arch, scheme, tmp_path):
+    """An int4 scheme's q/k/v and gate/up are not one view (their words pack an input row's
+    outputs together), yet the decode step runs the fused path (rope + KV write, the decode
+    attention through the paged table: here the kernels' torch references on the CPU) over their
+    products joined, and computes what transformers does."""
+    from deployments.kernels.policy import KernelPlan
+    hf, _, model = _packed_model(arch, scheme, tmp_path)
+    assert all(la.self_attn.qkv_w is None and la.mlp.gate_up_w is None for la in model.model.layers)
+    model.kernels = KernelPlan(fused=True, attention=True)
+    assert model.attention_kernel()  # (before: the torch path, every layer gathering its keys)
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    _engine_greedy(model, hf, "paged")
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 def test_projections_a_checkpoint_left_unquantized_stay_plain_linears(fused, tmp_path):
     """A scheme's ignore list: the checkpoint stores those projections plainly (no scale beside them).

@@ -139,10 +139,18 @@ class Attention(nn.Module):
     def _decode_attn(self, q, k, v, mask_add) -> torch.Tensor:
         return matmul_decode_attention(q, k, v, mask_add, self.scale).view(q.shape[0], self.n_heads, 1, self.head_dim)
 
+    def _qkv(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """q, k and v of ``x`` side by side, [..., (H + 2 Hkv) Dh]: one product where the three
+        weights are one view, else the three products joined (an int4 scheme's layers, which
+        cannot be one view: a small copy of the step's rows, so that the fused path still runs)."""
+        if self.qkv_w is not None:
+            return linear(x, self.qkv_w, self.qkv_b, ctx)
+        return torch.cat([project(x, p, ctx) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+
     def _decode_fused(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # one Triton kernel ropes q and k and writes k, v into the cache (8 torch kernels otherwise)
         B, H, Dh = x.shape[0], self.n_heads, self.head_dim
-        qkv = linear(x.view(B, -1), self.qkv_w, self.qkv_b, ctx)  # [B, (H + 2 Hkv) Dh]
+        qkv = self._qkv(x.view(B, -1), ctx)  # [B, (H + 2 Hkv) Dh]
         cache = ctx.cache
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
         table = {"block_table": cache.block_table} if cache.paged else {}  # rows read and write through it
@@ -173,7 +181,7 @@ class Attention(nn.Module):
                       positions=torch.arange(ctx.start, ctx.start + S, device=x.device).repeat(B),
                       cos=ctx.cos.reshape(B * S, Dh), sin=ctx.sin.reshape(B * S, Dh))
         kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        qkv = linear(x, self.qkv_w, self.qkv_b, ctx).view(B * S, -1)
+        qkv = self._qkv(x, ctx).view(B * S, -1)
         q = ops.rope_store_kv(qkv, at["cos"], at["sin"], kc, vc, at["positions"], H, Hkv, Dh,
                               block_table=at["tokens"])  # [B * S, H, Dh]
         k, v = cache.read(self.layer_idx, at["rows"], ctx.start + S, blocks=at["read"])
@@ -197,7 +205,7 @@ class Attention(nn.Module):
         # x: [B, S, D]
         B, S, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
-        if ctx.fused and self.qkv_w is not None:
+        if ctx.fused:
             if ctx.mode == "decode":
                 return self._decode_fused(x, ctx)
             if ctx.mode == "prefill" and ctx.cache.paged:

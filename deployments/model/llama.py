@@ -67,8 +67,11 @@ class MLP(nn.Module):
         self.silu = cfg.hidden_act in SILU_ACTIVATIONS  # the fused kernel computes SiLU only
 
     def forward(self, x: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
-        if ctx is not None and ctx.fused and self.gate_up_w is not None:
-            gate_up = linear(x, self.gate_up_w, self.gate_up_b, ctx)
+        if ctx is not None and ctx.fused:
+            if self.gate_up_w is not None:
+                gate_up = linear(x, self.gate_up_w, self.gate_up_b, ctx)
+            else:  # (an int4 scheme's layers: the two products joined for the one SwiGLU kernel)
+                gate_up = torch.cat([project(x, self.gate_proj, ctx), project(x, self.up_proj, ctx)], dim=-1)
             if self.silu:
                 h = ops.silu_mul(gate_up)
             else:
@@ -246,9 +249,9 @@ class Transformer(nn.Module):
         return h
 
     def _fused_decode(self) -> bool:
-        """Whether every layer's decode step goes through the fused Triton path (its q, k, v
-        in one view; rope_store_kv writes the cache)."""
-        return self.kernels.fused and all(la.self_attn.qkv_w is not None for la in self.model.layers)
+        """Whether every layer's decode step goes through the fused Triton path (rope_store_kv
+        writes the cache)."""
+        return self.kernels.fused
 
     def attention_kernel(self) -> bool:
         """Whether the decode steps use the Triton attention: every step, where it passed its
