@@ -17,7 +17,7 @@ for stage in "$@"; do  # every name checked before the first stage runs
 done
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-W=/tmp/coldstart-bench
+W=${BENCH_WORK:-/tmp/coldstart-bench}  # the checkpoints (BENCH_WORK: elsewhere)
 # Triton's kernel cache: empty at the first stage that compiles the 7B's kernels, so that
 # stage's first start includes the compile; every later stage finds them cached
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/coldstart-triton-cache}
@@ -27,7 +27,7 @@ E="--max-seq-len 4096 --no-hf --max-slots 128 --kv-cache paged --prefill-chunk 2
 GPU_ENGINE='{"kv_cache": "paged", "max_slots": 128, "max_seq_len": 4096, "prefill_chunk": 2048}'
 # each stage's variants, as its command records them
 declare -A VARS=([tests]="TESTS_ARGS" [load]="LOAD_ARGS" [kernels]="KERNELS_ONLY PREFILL_ROWS"
-  [engine]="ENGINE_CONCURRENCY ENGINE_RUNS ENGINE_ARGS ENGINE_PROFILE ENGINE_PREFIX BASELINE"
+  [engine]="ENGINE_CONCURRENCY ENGINE_RUNS ENGINE_ARGS ENGINE_PROFILE ENGINE_8B ENGINE_PREFIX BASELINE"
   [serve]="SERVE_CACHES SERVE_REPEAT SERVE_EXTRA SERVE_PROFILE" [fresh-node]="FRESH_KINDS FRESH_REPEAT SERVE_EXTRA"
   [http]="HTTP_CONCURRENCY HTTP_ROUNDS HTTP_ARGS HTTP_ENVS HTTP_SWITCH_MS BASELINE" [tp]="TP_LAYERS"
   [fetch]="FETCH_ARGS" [quant]="QUANT_ARGS")
@@ -35,6 +35,14 @@ declare -A VARS=([tests]="TESTS_ARGS" [load]="LOAD_ARGS" [kernels]="KERNELS_ONLY
 ckpt() {  # the 7B-shaped random checkpoint (made on the GPU) and its pack, once
   [ -f $W/packed/model.cst ] && [ -f $W/hf/config.json ] && return
   python3 -c "from pathlib import Path; from bench.load import ensure_checkpoint; print(ensure_checkpoint(Path('$W'), 'llama-7b')[2])"
+}
+
+ckpt8b() {  # the grouped-query subject: a Llama-3-8B-shaped random checkpoint, packed, once (its HF
+  # copy and the 7B's removed for the disk: ckpt makes the 7B's again where a stage needs it)
+  [ -f $W/llama3-8b/packed/model.cst ] && return
+  rm -rf $W/hf
+  python3 -c "from pathlib import Path; from bench.load import ensure_checkpoint; print(ensure_checkpoint(Path('$W/llama3-8b'), 'llama3-8b')[2])" \
+    && rm -rf $W/llama3-8b/hf
 }
 
 command_of() {  # the stage's command, with the variants set for it
@@ -59,8 +67,10 @@ stage_load() {  # the packed 7B onto the GPU warm and cold, beside the disk, saf
 }
 
 stage_engine() {  # the engine of serve_config.gpu.yaml alone (bench/engine.py, 128 in / 128 out a
-  # request) at ENGINE_CONCURRENCY (1,64,128), ENGINE_RUNS times (1); then, unless ENGINE_PREFIX=0,
-  # 64 chats behind one 1,024-token system prompt, with prefix reuse and without.
+  # request) at ENGINE_CONCURRENCY (1,64,128), ENGINE_RUNS times (1); then, unless ENGINE_8B=0, the
+  # same once over the packed Llama-3-8B shape (grouped-query, 8 kv heads, a 128k vocabulary; part
+  # llama3-8b-1); then, unless ENGINE_PREFIX=0, 64 chats behind one 1,024-token system prompt, with
+  # prefix reuse and without.
   # ENGINE_ARGS: engine.py's flags after those, so they win (`--kv-cache static --max-slots 16
   # --max-seq-len 1024`, `--kv-block-size 32`, `--prefill-chunk 4096`, `--prompt-lens 32,3000
   # --max-slots 256 --concurrency 256` for a load beyond the cache). ENGINE_PROFILE=1: the first run
@@ -79,6 +89,14 @@ stage_engine() {  # the engine of serve_config.gpu.yaml alone (bench/engine.py, 
       "$d/$side-$k.log" | sed "s/^/$side $k /"
     P+=($side-$k="$d/$side-$k.json")
   done; done
+  if [ "${ENGINE_8B:-1}" = 1 ]; then
+    if ckpt8b; then
+      python3 bench/engine.py $W/llama3-8b/packed $E --concurrency ${ENGINE_CONCURRENCY:-1,64,128} ${ENGINE_ARGS:-} \
+        --out "$d/llama3-8b-1.json" > "$d/llama3-8b-1.log" 2>&1 || { r=1; tail -20 "$d/llama3-8b-1.log"; }
+      grep -E "^(tokens_per_s_b[0-9]+ |decode_ms_per_token_b1 |bound b)" "$d/llama3-8b-1.log" | sed "s/^/llama3-8b /"
+      P+=(llama3-8b-1="$d/llama3-8b-1.json")
+    else r=1; fi
+  fi
   [ "${ENGINE_PREFIX:-1}" = 0 ] && return $r
   for pc in "" --no-prefix-cache; do
     python3 bench/engine.py $W/packed $E $pc --shared-prefix 1024 --concurrency 64 \

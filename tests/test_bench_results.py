@@ -174,3 +174,43 @@ def test_the_figures_of_a_stage_run_with_its_variants():
     assert "**coldstart 16.42 s**" in results.FIGURES["fresh-node"]({"report": report})[0][1]
     assert results.FIGURES["load"]({"load-warm": {"warm_GBps": 30.0, "warm_runs_GBps": [29.0, 30.0, 31.5]}}) == [
         ("warm loads (`--warm-only`)", "median 30.0 GB/s of 29.0, 30.0, 31.5")]
+
+
+ENGINE_STAND_IN = """import json, sys
+a = sys.argv[1:]
+out = a[a.index('--out') + 1]
+res = {'model': a[0], 'args': a, 'tokens_per_s_b128': 100.0 if 'llama3-8b' in a[0] else 200.0,
+       'tokens_per_s_b64': 50.0, 'decode_ms_per_token_b1': 5.0}
+open(out, 'w').write(json.dumps(res))
+print('tokens_per_s_b128', res['tokens_per_s_b128'])
+"""
+LOAD_STAND_IN = """from pathlib import Path
+def ensure_checkpoint(work, shape):
+    (work / 'hf').mkdir(parents=True, exist_ok=True)
+    (work / 'hf' / 'config.json').write_text(shape)
+    (work / 'packed').mkdir(parents=True, exist_ok=True)
+    (work / 'packed' / 'model.cst').write_text(shape)
+    return work / 'hf', work / 'packed', {}
+"""
+
+
+@pytest.mark.parametrize("with_8b", [True, False])
+def test_the_engine_stage_runs_the_7b_the_packed_8b_and_the_prefix_runs(suite, tmp_path, with_8b):
+    (suite / "bench" / "engine.py").write_text(ENGINE_STAND_IN)
+    (suite / "bench" / "load.py").write_text(LOAD_STAND_IN)
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = _gpu_sh(suite, str(out), "engine", BENCH_WORK=str(work), **({} if with_8b else {"ENGINE_8B": "0"}))
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads((out / "engine.json").read_text())
+    assert set(d["parts"]) == {"run-1", "prefix", "prefix-off"} | ({"llama3-8b-1"} if with_8b else set())
+    assert d["parts"]["run-1"]["model"] == str(work / "packed")
+    assert d["parts"]["prefix"]["args"][-4:-2] == ["--concurrency", "64"]
+    if with_8b:
+        assert d["parts"]["llama3-8b-1"]["model"] == str(work / "llama3-8b" / "packed")
+        assert (work / "llama3-8b" / "packed" / "model.cst").read_text() == "llama3-8b"
+        assert not (work / "llama3-8b" / "hf").exists()  # (the disk: only the pack is kept)
+        assert "llama3-8b tokens_per_s_b128 100.0" in r.stdout
+        rows = dict(results.FIGURES["engine"](d["parts"]))
+        assert rows["the Llama-3-8B shape, 128 requests at once; batch-1 decode"] == "**100 tokens/s**; 5.00 ms/token"
+    else:
+        assert not (work / "llama3-8b").exists() and "ENGINE_8B=0" in d["command"]
