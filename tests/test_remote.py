@@ -18,7 +18,7 @@ from helpers_remote import RangeServer, make_bucket, no_partials, s3_server
 from weights import PackOptions, load, pack
 from weights.cache import CacheFullError, NodeCache
 from weights.fetch import Fetch, resolve
-from weights.remote import RemoteError, check_uri, push
+from weights.remote import RemoteError, RemoteNotFound, check_uri, push
 
 CHUNK = 64 << 10  # many chunks in a tiny model: pieces, faults and peers have something to work on
 
@@ -110,6 +110,20 @@ def test_an_unreachable_source_names_itself_and_a_node_copy_is_used_instead(serv
     load(uri, "cpu", cache=held)
     served.stop()
     assert _same(load(uri, "cpu", cache=held), load(chunked, "cpu"))
+
+
+def test_a_model_removed_at_its_source_is_not_served_from_a_nodes_copy(s3, chunked, tmp_path):
+    import boto3
+    uri = "s3://models/gone/tiny"
+    push(chunked, uri)
+    cache = NodeCache(tmp_path / "cache")
+    first = load(uri, "cpu", cache=cache)
+    bucket = boto3.resource("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).Bucket("models")
+    bucket.objects.filter(Prefix="gone/tiny/").delete()
+    with pytest.raises(RemoteNotFound, match=r"gone/tiny/model.cst: not found.*holds an earlier copy") as e:
+        load(uri, "cpu", cache=cache)
+    assert str(first.path) in str(e.value)
+    assert (first.path / "model.cst").is_file()  # kept (the cache's own eviction decides), only not served
 
 
 def test_a_missing_model_says_what_to_do(s3, tmp_path):

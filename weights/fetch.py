@@ -353,7 +353,8 @@ def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers
     """The local entry holding ``uri`` as it is at its source now, or the ``Fetch`` that brings it
     (see the module's docstring). ``rank``: one rank's file of a split pack (its side files and
     ``tp.json`` come with it). Where the source cannot be reached but the node holds an earlier
-    copy, that copy is used with a warning naming the source and the error. ``timeout_s``: one
+    copy, that copy is used with a warning naming the source and the error; where the source
+    answers that the model is not there, the start fails (a removed model is not served). ``timeout_s``: one
     request to the source (a piece's ranged GET) may take this long before it counts as failed."""
     uri = check_uri(uri)
     name = model_name(uri)
@@ -372,6 +373,10 @@ def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers
         held = [p for p in cache.entries_of(uri, name) if (p / rel).is_file()]
         if not held:
             raise
+        if isinstance(e, RemoteNotFound):  # an answer, not an outage: the model is gone from its source
+            raise RemoteNotFound(f"{e}; this node holds an earlier copy ({held[0]}), which is not served: "
+                                 "a model removed at its source is not served from a node's copy (push it "
+                                 "again, or serve the copy's directory by its path)") from None
         log.warning("%s is unreachable (%s): serving the copy this node holds, %s, which may be older", uri, e,
                     held[0])
         cache.touch(held[0])
