@@ -109,6 +109,24 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def engine_greedy_matches_transformers(model: Any, hf: torch.nn.Module, *, steps: int = 10, timeout: float = 120,
+                                       **cfg: Any) -> dict:
+    """Two prompts of different lengths through an engine over ``model`` at once: each one's greedy
+    tokens equal transformers' (``hf``). ``cfg``: EngineConfig fields over 2 slots of 64 positions
+    and 4-token chunks. Returns the engine's stats after the run."""
+    from deployments.engine import Engine, EngineConfig, SamplingParams
+    eng = Engine(model, None, EngineConfig(**{"max_slots": 2, "max_seq_len": 64, "prefill_chunk": 4, **cfg}))
+    eng.start()
+    try:
+        prompts = [[3, 5, 7, 11, 13], [9] * 7]
+        hs = [eng.submit(p, SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)) for p in prompts]
+        for p, h in zip(prompts, hs):
+            assert h.result(timeout=timeout)[0] == hf_greedy(hf, p, steps)
+        return eng.stats()
+    finally:
+        eng.shutdown()
+
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[3, 5, 7, 11, 13, 17, 19], [2, 4], [9] * 13, [1, 50, 60, 70, 80], [42]]
 

@@ -451,9 +451,8 @@ def test_interp_gemv(interp, case, dtype):
 @pytest.mark.parametrize("arch, kw", [("llama", {}), ("mistral", {"sliding_window": 5})])
 def test_interp_engine_path_gives_transformers_greedy_tokens(interp, monkeypatch, tmp_path, arch, kw):
     """The whole fused decode path (all four kernels, interpreted) inside the engine."""
-    from deployments.engine import Engine, EngineConfig, SamplingParams
     from deployments.model import build_model
-    from helpers_engine import hf_greedy, hf_model
+    from helpers_engine import engine_greedy_matches_transformers, hf_model
     from weights import PackOptions, load, pack
 
     import dataclasses
@@ -470,15 +469,7 @@ def test_interp_engine_path_gives_transformers_greedy_tokens(interp, monkeypatch
     model.kernels = dataclasses.replace(model.kernels, fused=True, attention=True, gemv=shapes)
     D, V = model.config.hidden_size, model.config.vocab_size
     assert {(D, D), (V, D)} <= model.kernels.gemv
-    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
-    eng.start()
-    try:
-        prompts = [[3, 5, 7, 11, 13], [9] * 7]
-        hs = [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)) for p in prompts]
-        for p, h in zip(prompts, hs):
-            assert h.result(timeout=120)[0] == hf_greedy(hf, p, 10)
-    finally:
-        eng.shutdown()
+    engine_greedy_matches_transformers(model, hf)
 
 
 @pytest.mark.parametrize("heads, block_size, blocks_per_seq", [((4, 2), 16, 32), ((4, 4), 32, 5)])

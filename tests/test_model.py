@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deployments.model import ModelConfig, build_model, build_native
-from helpers_engine import hf_greedy, random_biases, state_tensors
+from helpers_engine import engine_greedy_matches_transformers, hf_greedy, random_biases, state_tensors
 from helpers_engine import hf_model as _hf_model
 
 
@@ -251,19 +251,9 @@ def test_packed_checkpoint_fuses_projections_without_copies_and_matches_transfor
 
 
 def _engine_greedy_equals_transformers(model, hf) -> None:
-    from deployments.engine import Engine, EngineConfig, SamplingParams
-    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
-    eng.start()
-    try:
-        if model.device.type == "cuda":
-            assert eng.stats()["graphs"] > 0
-        prompts = [[3, 5, 7, 11, 13], [9] * 7]
-        hs = [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
-              for p in prompts]
-        for p, h in zip(prompts, hs):
-            assert h.result(timeout=60)[0] == hf_greedy(hf, p, 10)
-    finally:
-        eng.shutdown()
+    stats = engine_greedy_matches_transformers(model, hf, timeout=60)
+    if model.device.type == "cuda":
+        assert stats["graphs"] > 0
 
 
 def test_adjacent_view_refuses_tensors_that_are_not_back_to_back():

@@ -15,7 +15,7 @@ from conftest import gpu
 from deployments.model import build_model
 from deployments.model.quant import method_for
 from deployments.kernels.quant import unpack_int4
-from helpers_engine import hf_greedy, hf_model
+from helpers_engine import engine_greedy_matches_transformers, hf_model
 from helpers_quant import SCHEMES, pack_nibbles, quantized_checkpoint
 from weights import PackOptions, SourceError, load, pack, read_packed, verify
 from weights.quant import AWQ_ORDER, scheme_of
@@ -103,17 +103,8 @@ def test_native_logits_on_a_quantized_pack_match_transformers_dequantized(arch, 
 
 
 def _engine_greedy(model, hf, cache: str, steps: int = 32) -> None:
-    from deployments.engine import Engine, EngineConfig, SamplingParams
     kw = dict(kv_block_size=16) if cache == "paged" else {}
-    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=8, kv_cache=cache, **kw))
-    eng.start()
-    try:
-        prompts = [[3, 5, 7, 11, 13], [9] * 7]
-        hs = [eng.submit(p, SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True)) for p in prompts]
-        for p, h in zip(prompts, hs):
-            assert h.result(timeout=120)[0] == hf_greedy(hf, p, steps)
-    finally:
-        eng.shutdown()
+    engine_greedy_matches_transformers(model, hf, steps=steps, prefill_chunk=8, kv_cache=cache, **kw)
 
 
 @pytest.mark.parametrize("cache", ["static", "paged"])

@@ -103,12 +103,11 @@ def test_interp_engine_on_a_quantized_pack_gives_transformers_greedy_tokens(inte
     """The GPU's path, interpreted: the plan chosen by kernels.quant.choose (its self-test passes on
     synthetic layers of the model's shapes), the weight-only kernel in every decode step, the fused
     norms beside it; where fp8 q/k/v fuse, the fused decode too (rope + KV write, the attention kernel)."""
-    from deployments.engine import Engine, EngineConfig, SamplingParams
     from deployments.kernels import ops
     from deployments.kernels.policy import KernelPlan
     from deployments.model import build_model
     from deployments.model.quant import kernel_specs
-    from helpers_engine import hf_greedy, hf_model
+    from helpers_engine import engine_greedy_matches_transformers, hf_model
     from helpers_quant import quantized_checkpoint
     from weights import PackOptions, load, pack
 
@@ -125,15 +124,7 @@ def test_interp_engine_on_a_quantized_pack_gives_transformers_greedy_tokens(inte
     assert len(kernel_specs(model)) == 4 + 2 * fused
     model.kernels = KernelPlan(fused=True, attention=fused)
     assert model.attention_kernel() == fused
-    eng = Engine(model, None, EngineConfig(max_slots=2, max_seq_len=64, prefill_chunk=4))
-    eng.start()
-    try:
-        prompts = [[3, 5, 7, 11, 13], [9] * 7]
-        hs = [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)) for p in prompts]
-        for p, h in zip(prompts, hs):
-            assert h.result(timeout=300)[0] == hf_greedy(hf, p, 10)
-    finally:
-        eng.shutdown()
+    engine_greedy_matches_transformers(model, hf, timeout=300)
 
 
 # ----------------------------------------------------------------------------- CUDA
