@@ -288,7 +288,7 @@ def test_the_fused_decode_reads_and_writes_through_the_table(attention, arch, kw
                                            kv_cache="paged"))
     # set after the engine's paged-kernel check, which turns them off where Triton is not (the CPU)
     model.kernels = KernelPlan(fused=True, attention=attention)
-    assert model._fused_decode() and model.attention_kernel() == attention
+    assert model.kernels.fused and model.attention_kernel() == attention
     with eng:
         assert _run(eng, PROMPTS) == want
 

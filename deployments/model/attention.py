@@ -82,6 +82,16 @@ def project(x: torch.Tensor, layer: nn.Module, ctx: AttnContext | None) -> torch
     return layer(x)
 
 
+def project_joined(x: torch.Tensor, fused: torch.Tensor | nn.Module | None, bias: torch.Tensor | None,
+                   parts: list[nn.Module], ctx: AttnContext | None) -> torch.Tensor:
+    """``x`` times the projections ``parts`` side by side (q/k/v, gate/up): one product where
+    the build fused their weights (``fused``, ``bias``), else their products joined (an int4
+    scheme's layers cannot be one view: a copy of the step's rows, so the fused path still runs)."""
+    if fused is not None:
+        return linear(x, fused, bias, ctx)
+    return torch.cat([project(x, p, ctx) for p in parts], dim=-1)
+
+
 def matmul_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_add: torch.Tensor,
                             scale: float) -> torch.Tensor:
     """A decode step's attention as batched matmuls: q [B, H, (1,) Dh]; k/v: [B, Hkv, L, Dh]
@@ -140,12 +150,8 @@ class Attention(nn.Module):
         return matmul_decode_attention(q, k, v, mask_add, self.scale).view(q.shape[0], self.n_heads, 1, self.head_dim)
 
     def _qkv(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """q, k and v of ``x`` side by side, [..., (H + 2 Hkv) Dh]: one product where the three
-        weights are one view, else the three products joined (an int4 scheme's layers, which
-        cannot be one view: a small copy of the step's rows, so that the fused path still runs)."""
-        if self.qkv_w is not None:
-            return linear(x, self.qkv_w, self.qkv_b, ctx)
-        return torch.cat([project(x, p, ctx) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        """q, k and v of ``x`` side by side, [..., (H + 2 Hkv) Dh]."""
+        return project_joined(x, self.qkv_w, self.qkv_b, [self.q_proj, self.k_proj, self.v_proj], ctx)
 
     def _decode_fused(self, x: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         # one Triton kernel ropes q and k and writes k, v into the cache (8 torch kernels otherwise)

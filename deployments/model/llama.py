@@ -31,7 +31,7 @@ from torch import nn
 
 from deployments.kernels import ops, policy
 from deployments.kernels.policy import KernelPlan
-from deployments.model.attention import Attention, AttnContext, attention_backends, linear, project
+from deployments.model.attention import Attention, AttnContext, attention_backends, linear, project, project_joined
 from deployments.model.config import ACTIVATIONS, SILU_ACTIVATIONS, ModelConfig, rope_inv_freq
 from deployments.model.fused import refresh_copies
 from deployments.model.kv_cache import KVCache, PagedKVCache
@@ -68,10 +68,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttnContext | None = None) -> torch.Tensor:
         if ctx is not None and ctx.fused:
-            if self.gate_up_w is not None:
-                gate_up = linear(x, self.gate_up_w, self.gate_up_b, ctx)
-            else:  # (an int4 scheme's layers: the two products joined for the one SwiGLU kernel)
-                gate_up = torch.cat([project(x, self.gate_proj, ctx), project(x, self.up_proj, ctx)], dim=-1)
+            gate_up = project_joined(x, self.gate_up_w, self.gate_up_b, [self.gate_proj, self.up_proj], ctx)
             if self.silu:
                 h = ops.silu_mul(gate_up)
             else:
@@ -248,18 +245,13 @@ class Transformer(nn.Module):
             h, res = ops.add_rms_norm(m, res, nxt.weight, eps)
         return h
 
-    def _fused_decode(self) -> bool:
-        """Whether every layer's decode step goes through the fused Triton path (rope_store_kv
-        writes the cache)."""
-        return self.kernels.fused
-
     def attention_kernel(self) -> bool:
         """Whether the decode steps use the Triton attention: every step, where it passed its
         self-test and the fused path runs (bench/kernel_sweep.py: faster than the batched
         matmuls at every batch size and length measured, with grouped-query heads or without,
         and more so where a batch's rows differ in length, since each reads its keys only up
         to its own position)."""
-        return self.kernels.attention and self._fused_decode()
+        return self.kernels.attention and self.kernels.fused
 
     def decode_kv_lens(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
         """The key-length bounds (of the engine's ``buckets``, ascending) that need a CUDA graph
@@ -366,7 +358,7 @@ class Transformer(nn.Module):
             cache,
             positions=positions,
             # the torch path's (the Triton attention runs only on the fused path: no second walk of the layers)
-            rows=None if attention_kernel or self._fused_decode() else torch.arange(B, device=tokens.device),
+            rows=None if self.kernels.fused else torch.arange(B, device=tokens.device),
             kv_len=kv_len,
             attention_kernel=attention_kernel,
             read_positions=positions * (valid != 0) if attention_kernel else None,
