@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import logging
+import math
 import os
 import subprocess
 import sys

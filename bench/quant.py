@@ -164,23 +164,19 @@ def main(argv: list[str] | None = None) -> dict:
     if a.sizes_only:
         res["whole_sizes"] = whole_sizes(a)
         res["command"] = "python bench/quant.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(res, indent=1))
-        return res
-    for fmt, dest in packs(a).items():
-        res["rows"].append(measure(fmt, dest, a))
-        print(json.dumps(res["rows"][-1]), flush=True)
-    base = res["rows"][0]
-    for r in res["rows"][1:]:
-        r["decode_speedup_vs_fp16"] = base["decode_ms_per_token_b1"] / r["decode_ms_per_token_b1"]
-        r["load_speedup_vs_fp16"] = base["load_s"] / r["load_s"]
-    print(json.dumps(res, indent=1))
+    else:
+        for fmt, dest in packs(a).items():
+            res["rows"].append(measure(fmt, dest, a))
+            print(json.dumps(res["rows"][-1]), flush=True)
+        base = res["rows"][0]
+        for r in res["rows"][1:]:
+            r["decode_speedup_vs_fp16"] = base["decode_ms_per_token_b1"] / r["decode_ms_per_token_b1"]
+            r["load_speedup_vs_fp16"] = base["load_s"] / r["load_s"]
+        print(json.dumps(res, indent=1))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1))
     return res
-
 
 if __name__ == "__main__":
     main()

@@ -105,11 +105,16 @@ def _load_of(run: dict) -> str:
     return f"{prompt}, {run.get('new_tokens', 128)} out{shared}"
 
 
+def _tokens_per_s(run: dict) -> dict[int, float]:
+    """A bench/engine.py run's ``tokens_per_s_bN`` fields, by N (requests at once)."""
+    return {int(k[len("tokens_per_s_b"):]): v for k, v in run.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
+
+
 def _engine(p: dict) -> list[tuple[str, str]]:
     runs, base = _runs(p, "run"), _runs(p, "baseline")
     rows = []
     if runs:
-        conc = sorted(int(k[len("tokens_per_s_b"):]) for k in runs[0] if re.fullmatch(r"tokens_per_s_b\d+", k))
+        conc = sorted(_tokens_per_s(runs[0]))
         for c in sorted(conc, reverse=True):
             if c == 1:
                 continue
@@ -127,7 +132,7 @@ def _engine(p: dict) -> list[tuple[str, str]]:
                 v += f" ({_each([r['engine_share_decode_b1'] for r in runs], 2)} of the GPU's bound)"
             rows.append(("batch-1 decode", v))
     for r in _runs(p, "llama3-8b"):  # the grouped-query subject (8 kv heads, a 128k vocabulary)
-        tps = {int(k[len("tokens_per_s_b"):]): v for k, v in r.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
+        tps = _tokens_per_s(r)
         c = max(tps)
         rows.append((f"the Llama-3-8B shape, {c} requests at once; batch-1 decode",
                      f"**{_num(tps[c], 0)} tokens/s**; {_num(r['decode_ms_per_token_b1'])} ms/token"))
@@ -198,7 +203,7 @@ def _fresh_node(p: dict) -> list[tuple[str, str]]:
 
 def _http(p: dict) -> list[tuple[str, str]]:
     rows, eng = [], p.get("engine", {})
-    alone = {int(k[len("tokens_per_s_b"):]): v for k, v in eng.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
+    alone = _tokens_per_s(eng)
     for name in [k for k in p if k in ("baseline", "http") or k.startswith("http-")]:
         h = p[name]
         for c, runs in h["runs"].items():
@@ -296,7 +301,7 @@ def _quant(p: dict) -> list[tuple[str, str]]:
             rows.append((f"a whole {shape}-shaped pack, {fmt}", f"{_num(v['whole_bytes'] / 1e9)} GB"))
         layers = f" ({f['layers']} of its layers)" if f.get("layers") else ""
         for r in f.get("rows", []):
-            tps = {int(k[len("tokens_per_s_b"):]): v for k, v in r.items() if re.fullmatch(r"tokens_per_s_b\d+", k)}
+            tps = _tokens_per_s(r)
             wide = max(tps) if tps else None
             rows.append((f"{shape}{layers}, {r['format']} ({_num(r['file_GB'])} GB): warm load; batch-1 decode"
                          + (f"; {wide} requests at once" if wide else ""),

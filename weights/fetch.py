@@ -354,8 +354,9 @@ def resolve(uri: str, cache: NodeCache, *, rank: int | None = None, peers: Peers
     (see the module's docstring). ``rank``: one rank's file of a split pack (its side files and
     ``tp.json`` come with it). Where the source cannot be reached but the node holds an earlier
     copy, that copy is used with a warning naming the source and the error; where the source
-    answers that the model is not there, the start fails (a removed model is not served). ``timeout_s``: one
-    request to the source (a piece's ranged GET) may take this long before it counts as failed."""
+    answers that the model is not there, the start fails (a removed model is not served).
+    ``timeout_s``: one request to the source (a piece's ranged GET) may take this long before it
+    counts as failed."""
     uri = check_uri(uri)
     name = model_name(uri)
     rel = weight_rel(rank)
