@@ -266,6 +266,7 @@ def test_libcudart_is_bound_once_and_a_miss_is_not_kept(monkeypatch):
 
 @pytest.mark.parametrize("n, chunk", [((3 << 20) + 8192, 1 << 20), (16 << 20, 16 << 20), (4096, 1 << 20)])
 @pytest.mark.parametrize("fill", ["random", "ones"])  # all ones: every sum wraps past 2**64
+@pytest.mark.filterwarnings("error")  # wrapping is the sum's design: no overflow warning either
 def test_the_host_checksum_of_a_transfer_gives_the_index_sums(n, chunk, fill):
     data = torch.randint(0, 256, (n,), dtype=torch.uint8) if fill == "random" else torch.full((n,), 255, dtype=torch.uint8)
     got = checksum.chunk_sums_host(data.numpy(), chunk)

@@ -92,7 +92,8 @@ def chunk_sums_host(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
         t = tail.reshape(-1, COLS)
         rows = t.sum(axis=1)
         out[-1, 0] = rows.sum()
-        out[-1, 1] = (rows * r_w[: rows.size]).sum() + (t.sum(axis=0) * c_w).sum()
+        # as arrays: their sums wrap at 64 bits silently, where numpy's scalars warn
+        out[-1:, 1] = (rows * r_w[: rows.size]).sum(keepdims=True) + (t.sum(axis=0) * c_w).sum(keepdims=True)
     return out
 
 
