@@ -123,8 +123,19 @@ class RayPeers:
         self._handles: dict[str, Any] = {}
 
     def start_piece(self, n_pieces: int) -> int:
-        """Where this node's transfer begins: nodes starting together begin in different places."""
-        return int(self.node[:8], 16) % max(1, n_pieces) if n_pieces else 0
+        """Where this node's transfer begins: the cluster's live nodes, in the order of their ids,
+        begin evenly spaced along the file, so nodes starting together each read a different
+        stretch from the source first and take the rest from each other."""
+        import ray
+        if not n_pieces:
+            return 0
+        try:
+            ids = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+            i = ids.index(self.node)
+        except Exception as e:  # the cluster's table is a help, never a reason to fail
+            log.info("live nodes not listed (%s): this node begins at the file's start", e)
+            return 0
+        return i * n_pieces // len(ids)
 
     def _others(self) -> dict[str, Any]:
         import ray

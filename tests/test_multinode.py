@@ -216,3 +216,18 @@ def test_nodes_starting_together_pass_pieces_to_each_other(world, tiny_hf):
     from_peers = [sum(v for k, v in got.items() if k != uri) for got, _, _ in results]
     assert sum(from_peers) > 0, results
     assert www.stats()["sent"]["together/model.cst"] < 2 * len(want)
+
+
+@ray.remote(num_cpus=0)
+def _start_piece(n_pieces: int) -> int:
+    from deployments.node_cache import model_cache
+    from deployments.peers import RayPeers
+    return RayPeers(model_cache().root).start_piece(n_pieces)
+
+
+def test_nodes_begin_their_transfers_evenly_spaced(world):
+    """Each node begins a transfer at its own place, a third of the file apart on three nodes,
+    whatever their ids: none two begin close enough to read the same pieces from the source."""
+    starts = ray.get([_start_piece.options(resources={f"node_{n}": 0.01}).remote(30) for n in NODES], timeout=60)
+    assert sorted(starts) == [0, 10, 20], starts
+    assert ray.get(_start_piece.options(resources={"node_b": 0.01}).remote(0), timeout=60) == 0
