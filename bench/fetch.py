@@ -1,7 +1,7 @@
 """A remote model's transfer measured beside the raw speed of its source, on one GPU host.
 
     PYTHONPATH=$PWD python bench/fetch.py --packed /tmp/coldstart-bench/packed --out OUT/fetch.json \
-        [--parts source,peer,serve]
+        [--parts source,peer,serve] [--parts together --nodes 3]
 
 source  A local source (``bench/file_server.py``: 16 processes, ``sendfile`` from the page cache,
         S3 path-style GET/HEAD) serving the packed 7B. Side by side, alternating: a plain parallel
@@ -14,6 +14,11 @@ peer    Two Ray nodes on this host (``ray.cluster_utils.Cluster``): node a holds
         cache (from ``source``), node b (the GPU) none. Side by side: a plain parallel read of the
         data region from a's node service through Ray (16 threads), and b's load, which takes every
         piece from a.
+together  Several Ray nodes on this host (``--nodes``), none holding the model, fetch it at once
+        from the source into their node caches (``Fetch.run``, 16 threads; no GPU): how many
+        copies of the model the source sent, how much the nodes took from each other, and each
+        node's time. Runs on a CPU host too. ``--store LATENCY_MS,EGRESS_MBPS`` paces the source
+        as an object store that is the limit (the fleet's case, docs/fleet.md).
 serve   Ray Serve on this GPU: a replica's start (Ray added -> RUNNING) with the packed model on
         the node, then with the model at the source and an empty node cache, alternating; and a
         deployment scaled to zero: its first request's answer beside that replica's start.
@@ -51,16 +56,19 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start_source(packed: Path) -> tuple[subprocess.Popen, str]:
+def start_source(packed: Path, store: tuple[float, float] | None = None) -> tuple[subprocess.Popen, str]:
     """The file server over WORK/www, where bucket ``bench`` holds the packed model; sets the S3
-    variables (endpoint, dummy keys) in this process's environment. Returns it and the URI."""
+    variables (endpoint, dummy keys) in this process's environment. Returns it and the URI.
+    ``store``: (first-byte latency ms, total egress MB/s): one process, paced as an object store."""
     www = WORK / "www" / "bench"
     shutil.rmtree(WORK / "www", ignore_errors=True)
     www.mkdir(parents=True)
     (www / "llama-7b").symlink_to(packed.resolve())
     port = _port()
+    pace = ["--procs", "16"] if store is None else ["--procs", "1", "--latency-ms", str(store[0]),
+                                                    "--egress-mbps", str(store[1])]
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "file_server.py"), str(WORK / "www"),
-                             "--port", str(port), "--procs", "16"])
+                             "--port", str(port), *pace])
     os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
     for _ in range(100):
         try:
@@ -223,6 +231,57 @@ def part_peer(packed: Path, uri: str, held_cache: Path, rounds: int) -> dict:
     return res
 
 
+def part_together(uri: str, rounds: int, nodes: int) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+    env = {k: os.environ[k] for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
+    cluster = Cluster()
+    cluster.add_node(num_cpus=1, include_dashboard=False, object_store_memory=1 << 30, env_vars=env)
+    ray.init(address=cluster.address, log_to_driver=True)
+    fetch_here = ray.remote(num_cpus=0)(_fetch_here)
+    res: dict = {"nodes": nodes, "rounds": []}
+    try:
+        for i in range(rounds):
+            caches = [WORK / f"cache-together-{i}-{n}" for n in range(nodes)]
+            added = []
+            for n, c in enumerate(caches):  # new nodes each round: no service remembers a copy
+                shutil.rmtree(c, ignore_errors=True)
+                added.append(cluster.add_node(num_cpus=2, resources={f"node_{n}": 1}, object_store_memory=1 << 30,
+                                              env_vars={**env, "COLDSTART_CACHE_DIR": str(c)}))
+            cluster.wait_for_nodes()
+            got = ray.get([fetch_here.options(resources={f"node_{n}": 0.01}).remote(uri) for n in range(nodes)])
+            data = got[0]["data_bytes"]
+            source = sum(g["bytes_from"].get(uri, 0) for g in got)
+            r = {"nodes": got, "source_copies": source / data,
+                 "peer_copies": sum(sum(v for k, v in g["bytes_from"].items() if k != uri) for g in got) / data,
+                 "wall_s": max(g["wall_s"] for g in got)}
+            print(f"together round {i}: {nodes} nodes, the source sent {r['source_copies']:.2f} copies, peers "
+                  f"{r['peer_copies']:.2f}; the last node done in {r['wall_s']:.2f} s", flush=True)
+            res["rounds"].append(r)
+            for node in added:
+                cluster.remove_node(node)
+            for c in caches:
+                shutil.rmtree(c, ignore_errors=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return res
+
+
+def _fetch_here(uri: str) -> dict:
+    """On the node the task is pinned to: the model into its empty cache, from peers and the source."""
+    from deployments.node_cache import model_cache
+    from deployments.peers import RayPeers
+    from weights.fetch import Fetch, resolve
+    cache = model_cache()
+    t0 = time.perf_counter()
+    f = resolve(uri, cache, peers=RayPeers(cache.root))
+    assert isinstance(f, Fetch), f
+    f.run(threads=THREADS, piece_bytes=PIECE)
+    return {"wall_s": time.perf_counter() - t0, "data_bytes": f.packed.data_bytes, "bytes_from": f.stats.bytes_from,
+            "dropped": f.stats.dropped, "busy_s": f.stats.busy_s}
+
+
 def _remote_fns():
     import ray
 
@@ -358,6 +417,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--held-cache", help="peer: a node cache that holds the model already (an earlier "
                     "run's source part), instead of running that part first")
+    ap.add_argument("--nodes", type=int, default=3, help="together: how many nodes fetch at once")
+    ap.add_argument("--store", help="LATENCY_MS,EGRESS_MBPS: the source paced as an object store (one process)")
     ap.add_argument("--zero-only", action="store_true", help="serve: only the scale-from-zero rounds")
     a = ap.parse_args()
     packed = Path(a.packed)
@@ -371,7 +432,9 @@ def main() -> None:
                  "packed": str(packed)}
     out["gpu"] = torch.cuda.get_device_name() if DEV == "cuda" else None
     out["commit"] = commit()
-    server, uri = start_source(packed)
+    store = tuple(float(x) for x in a.store.split(",")) if a.store else None
+    out["store"] = store
+    server, uri = start_source(packed, store)
     parts = a.parts.split(",")
     try:
         if "source" in parts or ("peer" in parts and not a.held_cache):
@@ -381,6 +444,9 @@ def main() -> None:
         if "peer" in parts:
             held = Path(a.held_cache) if a.held_cache else Path(out["source"]["cache_with_model"])
             out["peer"] = part_peer(packed, uri, held, a.rounds)
+            Path(a.out).write_text(json.dumps(out, indent=1))
+        if "together" in parts:
+            out["together"] = part_together(uri, a.rounds, a.nodes)
             Path(a.out).write_text(json.dumps(out, indent=1))
         if "serve" in parts:
             out["serve"] = {}

@@ -8,6 +8,11 @@ a stand-in for an object store's data path, fast enough (many GB/s on one host) 
 measured against it measures the client.
 
     python bench/file_server.py ROOT --port 9000 --procs 16
+    python bench/file_server.py ROOT --port 9000 --procs 1 --latency-ms 20 --egress-mbps 300
+
+``--latency-ms`` and ``--egress-mbps`` make it an object store's stand-in where the store is the
+limit: every answer's first byte waits that long, and each process's answers together leave at
+most that rate (paced in 1 MiB slices; with several processes, each has the rate).
 """
 
 from __future__ import annotations
@@ -17,14 +22,31 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
+class Pace:
+    """One process's egress limit: each slice sent waits for its turn at ``rate`` bytes a second."""
+
+    def __init__(self, rate: float):
+        self.rate, self.free_at, self.lock = rate, 0.0, threading.Lock()
+
+    def wait(self, n: int) -> None:
+        with self.lock:
+            start = max(time.monotonic(), self.free_at)
+            self.free_at = start + n / self.rate
+        time.sleep(max(0.0, start - time.monotonic()))
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     root = Path(".")
+    latency_s = 0.0
+    pace: Pace | None = None
 
     def log_message(self, *args) -> None:
         pass
@@ -72,12 +94,17 @@ class Handler(BaseHTTPRequestHandler):
             a, _, b = rng[6:].partition("-")
             lo = int(a) if a else max(0, size - int(b))
             hi = min(int(b), size - 1) if (a and b) else size - 1
+        if self.latency_s:
+            time.sleep(self.latency_s)
         self._head(p, lo, hi, size, bool(rng))
         self.wfile.flush()
         with open(p, "rb") as f:
             off, left = lo, hi - lo + 1
             while left > 0:
-                n = os.sendfile(self.connection.fileno(), f.fileno(), off, left)
+                step = left if self.pace is None else min(left, 1 << 20)
+                if self.pace is not None:
+                    self.pace.wait(step)
+                n = os.sendfile(self.connection.fileno(), f.fileno(), off, step)
                 if n == 0:
                     break
                 off += n
@@ -98,8 +125,12 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--procs", type=int, default=16)
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="each answer's first byte waits this long")
+    ap.add_argument("--egress-mbps", type=float, default=0.0, help="each process's answers together, MB/s (0: no limit)")
     a = ap.parse_args()
     Handler.root = Path(a.root).resolve()
+    Handler.latency_s = a.latency_ms / 1e3
+    Handler.pace = Pace(a.egress_mbps * 1e6) if a.egress_mbps > 0 else None
     kids = []
     for _ in range(a.procs):
         pid = os.fork()
