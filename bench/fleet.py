@@ -14,10 +14,11 @@ pieces in its own rotated order (node k starts at piece k * pieces / N). Before 
 it looks at what its peers held at the last refresh of their holdings (every ``refresh`` s):
 a piece some peer holds comes from the least-loaded holder (fewest uploads in flight), else from
 the object store. A piece is held once all its bytes have arrived (its checksum verified).
+Peers also publish the pieces they are reading from the store, and a loader takes such a piece
+last (from its reader once held, waiting for the next refresh when nothing else is left) instead
+of reading it from the store too, as ``weights.fetch.PieceOrder`` does (``--no-defer-in-flight``:
+without it, for comparison).
 ``--holders K`` adds K nodes holding the whole model from the start (running replicas).
-``--defer-in-flight`` is a change to that design, for comparison: peers also publish the pieces
-they are reading from the store, and a loader takes such a piece last (from its reader once held,
-waiting for the next refresh when nothing else is left) instead of reading it from the store too.
 Bandwidth is shared max-min fairly (progressive filling) among the transfers in flight under
 these limits: each node's NIC down and up (full duplex, one limit per direction), the store's
 total egress, and the store's rate per connection. A request's first byte comes ``latency``
@@ -78,7 +79,7 @@ class Fleet:
     seed: int = 0
     refresh_s: float = 0.5       # how old a node's view of its peers' holdings may be
     holders: int = 0             # nodes already holding the whole model (running replicas)
-    defer_in_flight: bool = False  # put off a piece a peer was reading from the store at the refresh
+    defer_in_flight: bool = True  # put off a piece a peer was reading from the store at the refresh
                                    # (with peers only)
     local_start_s: float = FRESH_NODE_START_S
     overlap_s: float = FRESH_NODE_OVERLAP_S

@@ -3,9 +3,10 @@
 Each node that starts a replica of a remote model gets one ``NodeService``: a Ray actor pinned to
 that node (named ``coldstart-node-<node id>``, detached so it outlives the replica, no CPU of its
 own). It answers, for an entry of the node cache (``weights.cache``), which chunks of a weight file
-the node holds (the whole file once its transfer completed, else the chunks already checked), and
-reads those bytes for another node. The bytes travel as Ray objects, through Ray's own object
-transfer between nodes, inside the cluster's authenticated channels: no new port is opened.
+the node holds (the whole file once its transfer completed, else the chunks already checked) and
+which it is reading from the model's origin now, and reads the held bytes for another node. The
+bytes travel as Ray objects, through Ray's own object transfer between nodes, inside the
+cluster's authenticated channels: no new port is opened.
 
 ``RayPeers`` is what a replica's transfer (``weights.fetch.Fetch``) sees of this: the other nodes'
 services that hold some of the file (``sources``), and its own node's service, told of every
@@ -33,15 +34,24 @@ class NodeService:
 
     def __init__(self, root: str):
         self.root = Path(root)
-        self.files: dict[tuple[str, str], tuple[str, "set[int] | None"]] = {}
+        # (entry key, file) -> (path, chunks held (None: all), chunks being read from the origin,
+        # the process of the transfer reading them)
+        self.files: dict[tuple[str, str], tuple[str, "set[int] | None", list[int], int]] = {}
+        self.seq: dict[tuple[str, str], int] = {}  # the latest announcement's time, per file
 
-    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None") -> None:
+    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None", reading: list[int],
+                 seq: int, pid: int = 0) -> None:
+        # calls run on several threads of this actor, so they may arrive out of order: an older
+        # word (a piece's, read before the transfer completed) never overwrites a newer one
+        if seq <= self.seq.get((key, rel), -1):
+            return
+        self.seq[(key, rel)] = seq
         if not path:
             self.files.pop((key, rel), None)
         else:
-            self.files[(key, rel)] = (path, None if chunks is None else set(chunks))
+            self.files[(key, rel)] = (path, None if chunks is None else set(chunks), list(reading), pid)
 
-    def _find(self, key: str, rel: str) -> "tuple[str, set[int] | None] | None":
+    def _find(self, key: str, rel: str) -> "tuple[str, set[int] | None, list[int], int] | None":
         got = self.files.get((key, rel))
         if got is not None:
             return got
@@ -49,15 +59,16 @@ class NodeService:
             for model in self.root.iterdir():
                 p = model / key / rel
                 if p.is_file():
-                    return str(p), None
+                    return str(p), None, [], 0
         return None
 
-    def holds(self, key: str, rel: str) -> "list[int] | None | bool":
-        """None: the whole file; a list: these chunks; False: nothing of it."""
+    def holds(self, key: str, rel: str) -> "tuple[list[int] | None, list[int]] | bool":
+        """False: nothing of it; else (the chunks held, None: the whole file; the chunks being read
+        from the origin, none where the transfer's process has gone: they will never come)."""
         got = self._find(key, rel)
         if got is None:
             return False
-        return None if got[1] is None else sorted(got[1])
+        return None if got[1] is None else sorted(got[1]), got[2] if _alive(got[3]) else []
 
     def read(self, key: str, rel: str, offset: int, length: int) -> Any:
         import numpy as np
@@ -88,15 +99,32 @@ class NodeService:
         return str(self.root)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this node still runs (0: not known, taken as running)."""
+    if not pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it runs
+        pass
+    return True
+
+
 class PeerSource:
     """Another node's service as a source of a transfer (``weights.fetch.Source``)."""
 
-    def __init__(self, name: str, handle: Any, key: str, held: "list[int] | None"):
+    def __init__(self, name: str, handle: Any, key: str, held: "list[int] | None", reading: list[int]):
         self.name, self.handle, self.key = name, handle, key
         self._held = None if held is None else set(held)
+        self._reading = set(reading)
 
     def holds(self, rel: str) -> "set[int] | None":
         return self._held
+
+    def reading(self, rel: str) -> set[int]:
+        return self._reading
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         import ray
@@ -164,8 +192,9 @@ class RayPeers:
                 log.info("peer %s did not answer (%s)", n, type(e).__name__)
                 continue
             if held is not False:
-                out.append(PeerSource(n[len(PREFIX):][:12], others[n], key, held))
+                out.append(PeerSource(n[len(PREFIX):][:12], others[n], key, *held))
         return out
 
-    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None") -> None:
-        self.own.announce.remote(key, rel, path, chunks)
+    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None", reading: list[int],
+                 seq: int) -> None:
+        self.own.announce.remote(key, rel, path, chunks, reading, seq, os.getpid())

@@ -50,18 +50,18 @@ def test_peers_beat_an_egress_limited_store_and_what_the_store_serves():
     not one: every node's first 16 reads come from the store at once, they share its egress
     fairly and end together, and at that instant no node has yet seen the pieces its neighbour
     just finished (a peer's piece counts only once whole and seen at a refresh), so the next
-    round reads them from the store again. Deferring pieces a peer is reading (peers publish
-    their reads in flight; --defer-in-flight) cuts it to about 1.3 copies and the fleet's time
-    by a quarter."""
+    round reads them from the store again, unless a piece a peer is reading is put off (peers
+    publish their reads in flight, as the loader does): that cuts it to about 1.3 copies and the
+    fleet's time by a quarter."""
     kw = dict(nodes=10, model_gb=4, tp=1, egress_gbps=2, connection_mbps=0)
     alone = simulate(Fleet(peers=False, **kw))
     assert alone["store_egress_models"] == pytest.approx(10)
     assert alone["transfer_s"]["p100"] >= 10 * 4 / 2
-    base = simulate(Fleet(**kw))
+    base = simulate(Fleet(defer_in_flight=False, **kw))
     assert base["transfer_s"]["p100"] < 0.25 * 10 * 4 / 2
     assert 1 <= base["store_egress_models"] < 2.2
     assert base["store_egress_GB"] + base["peer_GB"] == pytest.approx(10 * 4, rel=1e-6)
-    deferred = simulate(Fleet(defer_in_flight=True, **kw))
+    deferred = simulate(Fleet(**kw))
     assert deferred["store_egress_models"] < 1.4
     assert deferred["transfer_s"]["p100"] < 0.8 * base["transfer_s"]["p100"]
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -300,3 +301,108 @@ def test_a_source_slower_than_the_timeout_fails_saying_so(served, tmp_path):
     with pytest.raises(RemoteError, match=r"tiny/model.cst.*too slowly.*load.remote_timeout_s \(now 1 s"):
         load(f"{served.url}/tiny", "cpu", cache=cache, options=LoadOptions(remote_timeout_s=1.0))
     assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
+
+
+class _Node:
+    """One node's peers as a transfer sees them, for nodes in one process: each node's real
+    ``NodeService``, called directly where a cluster calls it through Ray (that transport is what
+    tests/test_multinode.py covers)."""
+
+    def __init__(self, services: dict, name: str, root: Path):
+        from deployments.peers import NodeService
+        self.services, self.name = services, name
+        services[name] = NodeService(str(root))
+
+    def sources(self, key: str, rel: str) -> list:
+        from deployments.peers import PeerSource
+
+        class Direct(PeerSource):
+            def read_into(self, rel: str, offset: int, view: memoryview) -> None:
+                view[:] = memoryview(self.handle.read(self.key, rel, offset, len(view)))
+        return [Direct(n, svc, key, *held) for n, svc in self.services.items()
+                if n != self.name and (held := svc.holds(key, rel)) is not False]
+
+    def start_piece(self, n_pieces: int) -> int:
+        return 0
+
+    def announce(self, key: str, rel: str, path: str, chunks, reading, seq: int) -> None:
+        self.services[self.name].announce(key, rel, path, chunks, reading, seq, os.getpid())
+
+
+def _two_nodes(served, tmp_path, **kw) -> tuple[dict, Fetch, Fetch]:
+    services: dict = {}
+    a, b = (resolve(f"{served.url}/tiny", NodeCache(tmp_path / n), peers=_Node(services, n, tmp_path / n), **kw)
+            for n in "ab")
+    assert isinstance(a, Fetch) and isinstance(b, Fetch)
+    return services, a, b
+
+
+def test_a_piece_a_peer_is_reading_from_the_source_is_taken_last_and_from_that_peer(served, chunked, tmp_path):
+    import numpy as np
+    services, a, b = _two_nodes(served, tmp_path)
+    pieces = b.pieces(CHUNK)
+    off, length = pieces[2]  # in b's first round of reads
+    served.fault(delay_s=1.0)
+    try:
+        buf = np.empty(length, dtype=np.uint8)
+        t = threading.Thread(target=a.read_into, args=(memoryview(buf), off, length))
+        t.start()
+        assert services["a"].holds(a.key, a.rel)[1] == [off // CHUNK]  # told before its first byte
+        time.sleep(Fetch.REFRESH_S)  # b's next look at its peers sees it
+        order = b.order(pieces)
+        first = [order.next() for _ in pieces[1:]]  # all at once, while a's read goes on
+        last = order.next()  # only the piece a reads is left: given once a holds it
+        t.join()
+        assert order.next() is None
+    finally:
+        served.fault(delay_s=0)
+    assert first == pieces[:2] + pieces[3:] and last == pieces[2]
+    for p in first + [last]:
+        b.read_into(memoryview(np.empty(length, dtype=np.uint8)), *p)
+    assert b.stats.bytes_from == {"a": length, served.url + "/tiny": b.packed.data_bytes - length}
+    b.commit()
+    assert (b.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+    a.abort()
+    assert services["a"].holds(a.key, a.rel) is False
+
+
+def test_a_piece_a_peer_never_delivers_comes_from_the_source_after_a_wait(served, chunked, tmp_path):
+    """A peer whose process died mid-read still says it reads a piece: the transfer waits for it
+    no longer than twice its slowest piece from the source, then reads it there."""
+    services, a, b = _two_nodes(served, tmp_path, timeout_s=5.0)
+    stuck = b.pieces(CHUNK)[4]
+    services["a"].announce(a.key, a.rel, str(a.tmp), [], [stuck[0] // CHUNK], time.monotonic_ns())
+    b._refresh(force=True)
+    t = threading.Thread(target=b.run, kwargs={"threads": 2, "piece_bytes": CHUNK})
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert b.stats.bytes_from == {served.url + "/tiny": b.packed.data_bytes}
+    assert (b.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+    a.abort()
+
+
+def test_a_late_announcement_never_overwrites_a_newer_one(tmp_path):
+    """A node service runs its calls on several threads: a piece's word, sent before the transfer
+    completed, may arrive after the completion's. The service keeps the newer."""
+    from deployments.peers import NodeService
+    svc = NodeService(str(tmp_path))
+    svc.announce("k", "model.cst", str(tmp_path / "model.cst"), None, [], 20)
+    svc.announce("k", "model.cst", str(tmp_path / "model.cst.partial"), [0, 1], [2], 10)
+    assert svc.holds("k", "model.cst") == (None, [])
+    svc.announce("k", "model.cst", "", [], [], 30)  # forgotten (an aborted transfer) ...
+    svc.announce("k", "model.cst", str(tmp_path / "model.cst.partial"), [0], [1], 25)  # ... for good
+    assert svc.holds("k", "model.cst") is False
+
+
+def test_pieces_a_dead_transfer_was_reading_are_not_waited_for(tmp_path):
+    """A transfer killed mid-read never tells its node's service it stopped: the service sees its
+    process gone and no longer says those chunks are coming (the checked ones stay readable)."""
+    from deployments.peers import NodeService
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    svc = NodeService(str(tmp_path))
+    svc.announce("k", "model.cst", str(tmp_path / "p"), [0, 1], [2, 3], 10, gone.pid)
+    assert svc.holds("k", "model.cst") == ([0, 1], [])
+    svc.announce("k", "model.cst", str(tmp_path / "p"), [0, 1], [2, 3], 11, os.getpid())
+    assert svc.holds("k", "model.cst") == ([0, 1], [2, 3])

@@ -14,6 +14,9 @@ Every piece is checked against the index's chunk sums as it lands, before it is 
 cache's temporary file or copied to the device; a source that fails or sends a corrupt byte is
 dropped and the piece fetched from the next one, and the node's own peer service is told of each
 checked piece (``Peers.announce``), so that nodes starting together pass chunks on to each other.
+It is told too of the pieces the node is reading from the origin: another node's transfer puts
+such a piece off to its end and then takes it from that peer once held (``PieceOrder``), instead
+of reading it from the origin a second time.
 Only when every piece has landed is the file renamed into place (``commit``); anything else
 (``abort``) removes it: a failed transfer never leaves an entry that looks complete.
 """
@@ -24,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +53,9 @@ class Source(Protocol):
     def holds(self, rel: str) -> "set[int] | None":
         """The chunks of ``rel`` this source can serve now (``ALL``: the whole file)."""
 
+    def reading(self, rel: str) -> set[int]:
+        """The chunks of ``rel`` this source is reading from the origin now (it will hold them soon)."""
+
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         """Fill ``view`` with ``rel``'s bytes from file offset ``offset``."""
 
@@ -62,10 +69,13 @@ class Peers(Protocol):
     def start_piece(self, n_pieces: int) -> int:
         """Where this node's transfer of ``n_pieces`` begins (nodes starting together begin apart)."""
 
-    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None") -> None:
+    def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None", reading: list[int],
+                 seq: int) -> None:
         """Tell this node's peer service that ``chunks`` of ``rel`` (None: all, the file is
-        complete) are checked and readable at ``path``; ``path`` empty: the transfer ended without
-        completing (forget it)."""
+        complete) are checked and readable at ``path``, and that ``reading`` are being read from
+        the origin; ``path`` empty: the transfer ended without completing (forget it). ``seq``:
+        when this was true (``time.monotonic_ns``); the service keeps the latest, whatever order
+        the announcements arrive in."""
 
 
 class OriginSource:
@@ -76,6 +86,9 @@ class OriginSource:
 
     def holds(self, rel: str) -> None:
         return ALL
+
+    def reading(self, rel: str) -> set[int]:
+        return set()
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         self.origin.read_into(rel, offset, view)
@@ -108,6 +121,9 @@ class Fetch:
         self._lock = threading.Lock()
         self._sources: list[Source] = []
         self._holdings: dict[str, Any] = {}
+        self._peer_reading: dict[str, set[int]] = {}  # each peer's chunks in flight from the origin
+        self._reading: set[int] = set()  # this node's chunks in flight from the origin
+        self._slowest_s = 0.0  # the longest a piece has taken from the origin so far
         self._busy: dict[str, int] = {}
         self._refreshed = 0.0
         self._refreshing = threading.Lock()  # one reader thread asks the peers at a time
@@ -142,15 +158,15 @@ class Fetch:
                 found = [p for p in self.peers.sources(self.key, self.rel) if p.name not in self.stats.dropped]
             except Exception as e:  # the peers' directory is a help, never a reason to fail
                 log.info("peers of %s not asked (%s): reading from %s", self.rel, e, self.origin.uri)
-        holdings = {}
+        holdings, reading = {}, {}
         for p in found:
             try:
-                holdings[p.name] = p.holds(self.rel)
+                holdings[p.name], reading[p.name] = p.holds(self.rel), p.reading(self.rel)
             except Exception as e:
                 self._drop(p, f"did not answer ({e})")
         with self._lock:
             self._sources = [p for p in found if p.name in holdings]
-            self._holdings = holdings
+            self._holdings, self._peer_reading = holdings, reading
 
     def _drop(self, source: Source, why: str) -> None:
         with self._lock:
@@ -160,6 +176,26 @@ class Fetch:
                             self.entry.name, source.name, self.rel, why)
 
     # ---------------------------------------------------------------- pieces
+    def _chunks(self, off: int, length: int) -> range:
+        return range(off // self.cb, -(-(off + length) // self.cb))
+
+    def _wanted_elsewhere(self, chunks: range) -> bool:
+        """A peer was reading some of these chunks from the origin at the last refresh, and no
+        peer holds them all yet: the piece is better put off and taken from that peer."""
+        with self._lock:
+            live = [n for n in self._holdings if n not in self.stats.dropped]
+            if any(self._holdings[n] is ALL or all(c in self._holdings[n] for c in chunks) for n in live):
+                return False
+            return any(c in self._peer_reading.get(n, ()) for n in live for c in chunks)
+
+    def patience_s(self) -> float:
+        """How long a put-off piece waits for the peer reading it: twice the slowest piece from the
+        origin so far (a peer's read should take no longer), at least two refreshes; before any
+        piece came from the origin, as long as one request to it may take."""
+        if not self._slowest_s:
+            return self.origin.timeouts.request_s
+        return max(2 * self.REFRESH_S, 2 * self._slowest_s)
+
     def _pick(self, chunks: range, origin_ok: bool) -> Source | None:
         """The least busy peer holding every chunk of the piece, else the origin (if still allowed)."""
         self._refresh()
@@ -173,13 +209,18 @@ class Fetch:
     def read_into(self, view: memoryview, off: int, length: int) -> None:
         """Fill ``view[:length]`` with data-region bytes ``off..off+length`` (whole chunks, or the
         region's end), checked, and write them to the cache's temporary file."""
-        chunks = range(off // self.cb, -(-(off + length) // self.cb))
+        chunks = self._chunks(off, length)
         at = self.packed.data_offset + off
         failures: list[str] = []
         origin_tries = 0
         while (src := self._pick(chunks, origin_ok=origin_tries < self.ORIGIN_TRIES)) is not None:
+            from_origin = isinstance(src, OriginSource)
             with self._lock:
                 self._busy[src.name] = self._busy.get(src.name, 0) + 1
+                if from_origin:
+                    self._reading.update(chunks)
+            if from_origin:
+                self._announce()
             t0 = time.perf_counter()
             t1 = None
             try:
@@ -194,13 +235,16 @@ class Fetch:
                     self._busy[src.name] -= 1
                     self.stats.busy_s["read"] += (t1 or t2) - t0
                     self.stats.busy_s["check"] += t2 - (t1 or t2)
+                    if from_origin:
+                        self._reading.difference_update(chunks)
+                        self._slowest_s = max(self._slowest_s, (t1 or t2) - t0)
             if bad is None:
                 self._land(view, off, length, src, chunks)
                 with self._lock:
                     self.stats.busy_s["write"] += time.perf_counter() - t2
                 return
             failures.append(f"{src.name}: {bad}")
-            if isinstance(src, OriginSource):
+            if from_origin:
                 origin_tries += 1  # asked again once: a fault of one answer on the way
             else:
                 self._drop(src, bad)
@@ -229,9 +273,16 @@ class Fetch:
         with self._lock:
             self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
             self._landed.update(chunks)
-            landed = sorted(self._landed)
-        if self.peers is not None:
-            self.peers.announce(self.key, self.rel, str(self.tmp), landed)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell this node's peer service what the transfer holds and reads from the origin now."""
+        if self.peers is None:
+            return
+        with self._lock:
+            landed, reading = sorted(self._landed), sorted(self._reading - self._landed)
+            seq = time.monotonic_ns()
+        self.peers.announce(self.key, self.rel, str(self.tmp), landed, reading, seq)
 
     # ---------------------------------------------------------------- the whole file
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
@@ -243,21 +294,29 @@ class Fetch:
         k = self.peers.start_piece(len(out)) % len(out) if out and self.peers is not None else 0
         return out[k:] + out[:k]
 
+    def order(self, pieces: list[tuple[int, int]]) -> "PieceOrder":
+        """``pieces`` as the reader threads take them (``PieceOrder.next``)."""
+        return PieceOrder(self, pieces)
+
     def run(self, threads: int = 16, piece_bytes: int = 16 << 20) -> Path:
         """Fetch every piece with ``threads`` in parallel (no device: the CPU load maps the file
         afterwards), then ``commit``. Returns the entry's directory."""
         pieces = self.pieces(piece_bytes)
         step = max(length for _, length in pieces) if pieces else 0
-        local = threading.local()
+        order = self.order(pieces)
 
-        def one(p: tuple[int, int]) -> None:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = np.empty(-(-step // 4096) * 4096, dtype=np.uint8)
-            self.read_into(memoryview(buf), *p)
+        def reader() -> None:
+            buf = memoryview(np.empty(-(-step // 4096) * 4096, dtype=np.uint8))
+            try:
+                for p in iter(order.next, None):
+                    self.read_into(buf, *p)
+            except BaseException:
+                order.close()
+                raise
         try:
-            with ThreadPoolExecutor(max(1, min(threads, len(pieces))), "coldstart-fetch") as pool:
-                for f in [pool.submit(one, p) for p in pieces]:
+            n = max(1, min(threads, len(pieces)))
+            with ThreadPoolExecutor(n, "coldstart-fetch") as pool:
+                for f in [pool.submit(reader) for _ in range(n)]:
                     f.result()
         except BaseException:
             self.abort()
@@ -281,7 +340,7 @@ class Fetch:
         log.info("%s: %.2f GB in the node cache at %s (%s)", self.rel, self.packed.file_bytes / 1e9, self.final,
                  ", ".join(f"{k}: {v / 1e9:.2f} GB" for k, v in self.stats.bytes_from.items()))
         if self.peers is not None:
-            self.peers.announce(self.key, self.rel, str(self.final), None)
+            self.peers.announce(self.key, self.rel, str(self.final), None, [], time.monotonic_ns())
         self._release()
         return self.entry
 
@@ -300,10 +359,49 @@ class Fetch:
             pass
         if self.peers is not None:
             try:
-                self.peers.announce(self.key, self.rel, "", [])
+                self.peers.announce(self.key, self.rel, "", [], [], time.monotonic_ns())
             except Exception as e:
                 log.info("peer service not told of the aborted transfer: %s", e)
         self._release()
+
+
+class PieceOrder:
+    """One transfer's pieces as its reader threads take them: in the node's order, except that a
+    piece a peer was reading from the origin at the last refresh (and no peer held yet) is put off
+    to the end, and taken then once a peer holds it (it comes from that peer), once no peer reads
+    it any more, or once it has waited ``Fetch.patience_s`` (it comes from the origin)."""
+
+    def __init__(self, fetch: Fetch, pieces: list[tuple[int, int]]):
+        self.fetch = fetch
+        self.todo = deque(pieces)
+        self.later: list[tuple[int, int, float]] = []  # put off: (offset, length, since)
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        """The transfer failed: ``next`` gives nothing more, a thread waiting in it returns."""
+        self.closed = True
+
+    def next(self) -> tuple[int, int] | None:
+        """The next piece to read, as (data-region offset, length); None: none is left."""
+        f = self.fetch
+        while not self.closed:
+            f._refresh()
+            with self.lock:
+                while self.todo:
+                    off, length = self.todo.popleft()
+                    if not f._wanted_elsewhere(f._chunks(off, length)):
+                        return off, length
+                    self.later.append((off, length, time.monotonic()))
+                if not self.later:
+                    return None
+                now, patience = time.monotonic(), f.patience_s()
+                for i, (off, length, since) in enumerate(self.later):
+                    if now - since > patience or not f._wanted_elsewhere(f._chunks(off, length)):
+                        del self.later[i]
+                        return off, length
+            time.sleep(f.REFRESH_S / 5)  # only pieces peers are reading are left: ask again soon
+        return None
 
 
 def _allocate(fd: int, size: int, path: Path) -> None:

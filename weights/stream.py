@@ -158,16 +158,18 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
     """Fill ``buffer`` with the data region: from the file, or through ``fetch`` (a remote model's
     transfer, ``weights.fetch``: its pieces, each checked as it lands, in its order; no verifier)."""
     n, step = packed.data_bytes, opts.read_bytes
+    order = None
     if fetch is not None:
         pieces = fetch.pieces(step)
         step = max(length for _, length in pieces)
+        order = fetch.order(pieces)  # taken as the threads come free (pieces peers read are put off)
     else:
         pieces = [(off, min(step, n - off)) for off in range(0, n, step)]
     nthreads = min(opts.threads, len(pieces))
     fd, direct = _open(packed.path, opts.direct_io) if fetch is None else (-1, False)
     errors: list[BaseException] = []
     stop = threading.Event()
-    # piece j goes to thread j % nthreads: together the threads sweep the file front
+    # a local file's piece j goes to thread j % nthreads: together the threads sweep the file front
     # to back (sequential for a cold disk, and chunks complete roughly in order)
     done_upto = [0] * nthreads  # per thread: all its pieces below this offset are on the device
     lock = threading.Lock()
@@ -188,7 +190,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
             slots = Slots(rt, dev, buffer, opts.slots_per_thread, step)
             with lock:
                 all_slots.append(slots)
-            mine = pieces[k::nthreads]
+            mine = pieces[k::nthreads] if order is None else iter(order.next, None)
             for i, (off, length) in enumerate(mine):
                 if stop.is_set():
                     return
@@ -205,6 +207,8 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
         except BaseException as e:  # re-raised in the caller's thread below
             errors.append(e)
             stop.set()
+            if order is not None:
+                order.close()
 
     threads = [threading.Thread(target=worker, args=(k,), name=f"coldstart-load-{k}")
                for k in range(nthreads)]
