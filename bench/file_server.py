@@ -30,16 +30,17 @@ from pathlib import Path
 
 
 class Pace:
-    """One process's egress limit: each slice sent waits for its turn at ``rate`` bytes a second."""
+    """One process's egress limit: each slice is sent once its turn at ``rate`` bytes a second is over."""
 
     def __init__(self, rate: float):
         self.rate, self.free_at, self.lock = rate, 0.0, threading.Lock()
 
     def wait(self, n: int) -> None:
+        """Until ``n`` more bytes may have left: the end of their turn at the rate."""
         with self.lock:
-            start = max(time.monotonic(), self.free_at)
-            self.free_at = start + n / self.rate
-        time.sleep(max(0.0, start - time.monotonic()))
+            self.free_at = max(time.monotonic(), self.free_at) + n / self.rate
+            until = self.free_at
+        time.sleep(max(0.0, until - time.monotonic()))
 
 
 class Handler(BaseHTTPRequestHandler):
