@@ -178,5 +178,6 @@ def main(argv: list[str] | None = None) -> dict:
         a.out.write_text(json.dumps(res, indent=1))
     return res
 
+
 if __name__ == "__main__":
     main()

@@ -183,10 +183,10 @@ class Fetch:
         """A peer was reading some of these chunks from the origin at the last refresh, and no
         peer holds them all yet: the piece is better put off and taken from that peer."""
         with self._lock:
-            live = [n for n in self._holdings if n not in self.stats.dropped]
-            if any(self._holdings[n] is ALL or all(c in self._holdings[n] for c in chunks) for n in live):
+            if self._holders(chunks):
                 return False
-            return any(c in self._peer_reading.get(n, ()) for n in live for c in chunks)
+            return any(c in self._peer_reading[p.name] for p in self._sources if p.name not in self.stats.dropped
+                       for c in chunks)
 
     def patience_s(self) -> float:
         """How long a put-off piece waits for the peer reading it: twice the slowest piece from the
@@ -196,12 +196,17 @@ class Fetch:
             return self.origin.timeouts.request_s
         return max(2 * self.REFRESH_S, 2 * self._slowest_s)
 
+    def _holders(self, chunks: range) -> list[Source]:
+        """The peers, not dropped, that held every one of ``chunks`` at the last refresh (called
+        with the lock held)."""
+        return [p for p in self._sources if p.name not in self.stats.dropped and
+                (self._holdings[p.name] is ALL or all(c in self._holdings[p.name] for c in chunks))]
+
     def _pick(self, chunks: range, origin_ok: bool) -> Source | None:
         """The least busy peer holding every chunk of the piece, else the origin (if still allowed)."""
         self._refresh()
         with self._lock:
-            peers = [p for p in self._sources if p.name not in self.stats.dropped and
-                     (self._holdings.get(p.name) is ALL or all(c in self._holdings[p.name] for c in chunks))]
+            peers = self._holders(chunks)
             if peers:
                 return min(peers, key=lambda p: self._busy.get(p.name, 0))
         return OriginSource(self.origin) if origin_ok else None
@@ -280,7 +285,7 @@ class Fetch:
         if self.peers is None:
             return
         with self._lock:
-            landed, reading = sorted(self._landed), sorted(self._reading - self._landed)
+            landed, reading = sorted(self._landed), sorted(self._reading)
             seq = time.monotonic_ns()
         self.peers.announce(self.key, self.rel, str(self.tmp), landed, reading, seq)
 
