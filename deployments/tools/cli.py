@@ -297,7 +297,11 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     url = health_url(Path(config).read_text()) if config.endswith((".yaml", ".yml")) else None
     if url is not None:
         threading.Thread(target=_announce_ready, args=(url, proc), daemon=True).start()
-    return proc.wait()
+    try:
+        return proc.wait()
+    finally:
+        if config != a.config:  # the derived copy: only `serve run` read it
+            Path(config).unlink(missing_ok=True)
 
 
 def health_url(config_text: str) -> str | None:
