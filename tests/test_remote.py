@@ -216,6 +216,19 @@ def test_a_transfer_that_fails_mid_way_keeps_the_entry_unfinished(served, tmp_pa
     assert (again.entry / "model.cst").is_file()
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "written"])
+def test_the_cache_file_holds_the_source_bytes_mapped_or_written(served, chunked, tmp_path, mapped):
+    """Where the cache's disk reserves the file's blocks, the pieces are copied into the file mapped
+    in memory; where it cannot (``_allocate`` false: no fallocate), written with pwrite. Either way
+    the node's copy is the source's file byte for byte."""
+    got = resolve(f"{served.url}/tiny", NodeCache(tmp_path / "cache"))
+    assert isinstance(got, Fetch) and got._mapped is not None  # this disk reserves them
+    if not mapped:
+        got._mapped = None
+    got.run(threads=4)
+    assert (got.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+
+
 def test_push_refuses_a_damaged_model(chunked, tmp_path):
     d = tmp_path / "tiny"
     shutil.copytree(chunked, d)
