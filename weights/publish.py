@@ -45,7 +45,6 @@ import socket
 from pathlib import Path
 
 from .format import MAGIC, TP_MANIFEST, WEIGHTS_FILE, rank_dir
-from .sources import is_within
 
 log = logging.getLogger(__name__)
 # this host, in the names of its packs' temporary directories (owner())
@@ -244,3 +243,15 @@ def fsync(p: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def is_within(inner: Path, outer: Path) -> bool:
+    """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
+    lies inside it."""
+    want = _ident(outer)
+    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
+
+
+def _ident(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_dev, st.st_ino

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .format import SIDE_FILES, read_json, read_tokenizer
+from .publish import _ident, is_within
 
 # safetensors dtype codes -> torch dtypes we store
 _ST_DTYPES = {
@@ -319,15 +320,3 @@ def check_apart(src: Path, dest: Path) -> None:
     if rd.exists() and is_within(rs, rd):
         raise ValueError(f"DEST {dest} contains SRC {src}: replacing it would delete the source "
                          f"checkpoint; {fix}")
-
-
-def is_within(inner: Path, outer: Path) -> bool:
-    """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
-    lies inside it."""
-    want = _ident(outer)
-    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
-
-
-def _ident(p: Path) -> tuple[int, int]:
-    st = p.stat()
-    return st.st_dev, st.st_ino
