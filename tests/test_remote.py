@@ -252,6 +252,35 @@ print(json.dumps({"started": started, "got": got, "entry": entry}))
 """
 
 
+_EARLY_FAILED = """
+import json, sys, urllib.request
+from deployments.startup import early
+from deployments.server.replica import LLMServer
+assert early.early_fetch()
+early._fetch["thread"].join()  # every answer corrupt: the hook's transfer failed
+urllib.request.urlopen(urllib.request.Request(sys.argv[2] + "/_fault", data=b'{"corrupt": 0}', method="POST")).close()
+s = LLMServer(sys.argv[1], device="cpu", engine={"max_slots": 2, "max_seq_len": 128})
+print(json.dumps(s.stats()["weights"]))
+s.shutdown()
+"""
+
+
+def test_a_replica_whose_hook_transfer_failed_fetches_the_model_itself(served, chunked, tmp_path):
+    """The constructor finds the hook's transfer failed (the source sent corrupt bytes then): it
+    fetches the model itself, and /stats says both."""
+    uri = f"{served.url}/tiny"
+    served.fault(corrupt=-1)
+    r = subprocess.run([sys.executable, "-c", _EARLY_FAILED, uri, served.url], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+                                         "COLDSTART_EARLY_IMPORT": "0", "COLDSTART_CACHE_DIR": str(tmp_path / "cache"),
+                                         "COLDSTART_EARLY_WEIGHTS": uri})
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "checksum mismatch" in weights["early"]["error"], weights
+    assert weights["bytes_from"] == {uri: read_packed(chunked / "model.cst").data_bytes}, weights
+    assert "the transfer begun early failed" in r.stderr
+
+
 def test_a_transfer_imports_no_torch():
     """The hook's transfer runs beside the import thread's torch: its modules must not wait for it."""
     code = "import sys, weights.fetch, deployments.peers, deployments.node_cache; print('torch' in sys.modules)"
