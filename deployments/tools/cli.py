@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DEMO_DIR = Path("weights/demo")
 
@@ -291,13 +291,16 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # (a terminal's Ctrl-C reaches both processes anyway)
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
     url = health_url(Path(config).read_text()) if config.endswith((".yaml", ".yml")) else None
+
+    def done_with_config() -> None:
+        if config != a.config:  # the derived copy: `serve run` read it as it began
+            Path(config).unlink(missing_ok=True)
     if url is not None:
-        threading.Thread(target=_announce_ready, args=(url, proc), daemon=True).start()
+        threading.Thread(target=_announce_ready, args=(url, proc, done_with_config), daemon=True).start()
     try:
         return proc.wait()
     finally:
-        if config != a.config:  # the derived copy: only `serve run` read it
-            Path(config).unlink(missing_ok=True)
+        done_with_config()
 
 
 def health_url(config_text: str) -> str | None:
@@ -315,9 +318,10 @@ def health_url(config_text: str) -> str | None:
     return f"http://{host}:{http.get('port', 8000)}{prefix.rstrip('/')}/health"
 
 
-def _announce_ready(url: str, proc: subprocess.Popen, step: float = 0.5) -> None:
+def _announce_ready(url: str, proc: subprocess.Popen, then: Callable[[], None], step: float = 0.5) -> None:
     """Print one line when the application first answers ``url`` with a 200 (warm), so that a
-    user need not read Ray's log or guess from 404s; nothing if `serve run` ends first."""
+    user need not read Ray's log or guess from 404s, then call ``then``; nothing if `serve run`
+    ends first."""
     import urllib.error
     import urllib.request
     t0 = time.monotonic()
@@ -328,6 +332,7 @@ def _announce_ready(url: str, proc: subprocess.Popen, step: float = 0.5) -> None
                     base = url.removesuffix("/health")
                     print(f"ready: {base} answers after {time.monotonic() - t0:.1f} s "
                           f"(try: curl -X POST {base}/generate -d '{{\"prompt\": \"The answer is \"}}')", flush=True)
+                    then()
                     return
         except (urllib.error.URLError, OSError, ValueError):
             pass
