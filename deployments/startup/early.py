@@ -125,11 +125,10 @@ def early_fetch(env: Mapping[str, str] | None = None) -> bool:
 
 def _transfer(uri: str) -> None:
     try:
-        import weights.fetch  # noqa: F401
+        from weights.fetch import Fetch, resolve
         _times["fetch_imported_at"] = time.time()
         from deployments.node_cache import model_cache
         from deployments.peers import cluster_peers
-        from weights.fetch import Fetch, resolve
         cache = model_cache()
         got = resolve(uri, cache, peers=cluster_peers(cache.root))
         _fetch["entry"] = got.entry if isinstance(got, Fetch) else got
