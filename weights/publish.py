@@ -248,10 +248,11 @@ def fsync(p: Path) -> None:
 def is_within(inner: Path, outer: Path) -> bool:
     """Whether ``inner`` (resolved; it need not exist) is ``outer`` (resolved, existing) or
     lies inside it."""
-    want = _ident(outer)
-    return any(p.exists() and _ident(p) == want for p in (inner, *inner.parents))
+    want = file_id(outer)
+    return any(p.exists() and file_id(p) == want for p in (inner, *inner.parents))
 
 
-def _ident(p: Path) -> tuple[int, int]:
+def file_id(p: Path) -> tuple[int, int]:
+    """The (device, inode) pair that names ``p``'s file or directory, whatever its path."""
     st = p.stat()
     return st.st_dev, st.st_ino

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .format import SIDE_FILES, read_json, read_tokenizer
-from .publish import _ident, is_within
+from .publish import file_id, is_within
 
 # safetensors dtype codes -> torch dtypes we store
 _ST_DTYPES = {
@@ -314,7 +314,7 @@ def check_apart(src: Path, dest: Path) -> None:
     rs, rd = src.resolve(), dest.resolve()
     fix = f"choose a DEST outside {src}"
     if rd == rs or is_within(rd, rs):
-        how = "is" if rd == rs or (rd.exists() and _ident(rd) == _ident(rs)) else "lies inside"
+        how = "is" if rd == rs or (rd.exists() and file_id(rd) == file_id(rs)) else "lies inside"
         raise ValueError(f"DEST {dest} {how} SRC {src}: packing there would overwrite the "
                          f"source checkpoint; {fix}")
     if rd.exists() and is_within(rs, rd):
