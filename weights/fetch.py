@@ -24,7 +24,6 @@ Only when every piece has landed is the file renamed into place (``commit``); an
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
@@ -131,10 +130,8 @@ class Fetch:
         self._closed = False
         self._landed: set[int] = set()
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        self._mapped: mmap.mmap | None = None  # the file, where its pieces are copied (``_land``)
         try:
-            if _allocate(self.fd, packed.file_bytes, self.tmp):
-                self._mapped = _map(self.fd, packed.file_bytes)
+            _allocate(self.fd, packed.file_bytes, self.tmp)
             os.pwrite(self.fd, head, 0)
             os.pwrite(self.fd, tail, packed.data_offset + packed.data_bytes)
         except BaseException:
@@ -275,19 +272,9 @@ class Fetch:
 
     def _land(self, view: memoryview, off: int, length: int, src: Source, chunks: range) -> None:
         at = self.packed.data_offset + off
-        mapped = self._mapped
-        if mapped is not None:
-            # the file mapped: the threads' copies run side by side, where buffered writes to one
-            # file take its inode's lock each, one thread at a time
-            _populate(mapped, at, length)
-            np.copyto(np.frombuffer(mapped, dtype=np.uint8, count=length, offset=at),
-                      np.frombuffer(view, dtype=np.uint8, count=length))
-        elif self._closed:
-            raise RemoteError(f"{self.tmp}: the transfer was stopped")
-        else:
-            done = 0
-            while done < length:
-                done += os.pwrite(self.fd, view[done:length], at + done)
+        done = 0
+        while done < length:
+            done += os.pwrite(self.fd, view[done:length], at + done)
         with self._lock:
             self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
             self._landed.update(chunks)
@@ -348,7 +335,6 @@ class Fetch:
             raise RemoteError(f"{self.origin.uri}/{self.rel}: transfer ended with "
                               f"{len(self._landed)} of {len(self._sums)} chunks")
         try:
-            self._mapped = None  # (unmapped once no thread holds it)
             os.close(self.fd)
             publish_file(self.tmp, self.final)
         except BaseException:
@@ -368,7 +354,6 @@ class Fetch:
         if self._closed:
             return
         self._closed = True
-        self._mapped = None
         try:
             os.close(self.fd)
         except OSError:
@@ -424,38 +409,16 @@ class PieceOrder:
         return None
 
 
-def _allocate(fd: int, size: int, path: Path) -> bool:
-    """Reserve the file's whole size now: a disk without room fails here, before any transfer.
-    False: the filesystem cannot reserve it (the file is only sized; a write may still find the
-    disk full)."""
+def _allocate(fd: int, size: int, path: Path) -> None:
+    """Reserve the file's whole size now: a disk without room fails here, before any transfer."""
     try:
         os.posix_fallocate(fd, 0, size)
-        return True
     except OSError as e:
         if e.errno in (95, 22):  # EOPNOTSUPP, EINVAL: a filesystem without fallocate
             os.ftruncate(fd, size)
-            return False
+            return
         raise OSError(e.errno, f"{path.parent}: cannot hold the model's {size / 2**30:.2f} GiB in the node "
                       f"cache ({e.strerror}); free space there, or point COLDSTART_CACHE_DIR at a larger disk") from None
-
-
-def _map(fd: int, size: int) -> mmap.mmap:
-    """The file's ``size`` bytes mapped for writing (its blocks reserved: a copy into the map cannot
-    meet a full disk, which would kill the process)."""
-    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-
-
-def _populate(mapped: mmap.mmap, at: int, length: int) -> None:
-    """Fault in the map's pages ``at..at+length`` in one call, before a piece is copied there (one
-    page fault per 4 KiB page otherwise); a kernel without the advice copies without it."""
-    start = at - at % mmap.PAGESIZE
-    try:
-        mapped.madvise(_POPULATE_WRITE, start, at + length - start)
-    except (OSError, ValueError):
-        pass
 
 
 # ------------------------------------------------------------------------------------ resolve
