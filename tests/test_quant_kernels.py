@@ -156,6 +156,45 @@ def test_gpu_wo_matmul_matches_the_reference_and_replays_in_a_graph(scheme, M, d
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("order", [tuple(range(8)), (0, 2, 4, 6, 1, 3, 5, 7)], ids=["gptq", "awq"])
+def test_unpack_int4_reads_no_host_index(order):
+    """The dequantize path runs inside a decode step's CUDA graph where a step has more rows than
+    the weight-only kernel takes. An index built from a Python list is copied from the host at
+    each call, which the capture refuses: the unpacking must select its nibbles by shifts alone
+    (on the meta device, the ops it dispatches; the values: ``test_quant``'s round trip)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    words = torch.empty(6, 5, dtype=torch.int32, device="meta")
+    with Ops():
+        out = qk.unpack_int4(words, 1, order)
+    assert out.shape == (6, 40) and ops, ops
+    assert not [o for o in ops if o.startswith(("aten.index", "aten._to_copy", "aten.lift"))], ops
+
+
+@gpu
+@pytest.mark.parametrize("scheme", ["ct-channel", "fp8-block", "awq", "gptq-act-order"])
+def test_gpu_dequantize_matmul_replays_in_a_graph(scheme):
+    """A decode step of 128 rows runs the dequantize path inside its CUDA graph."""
+    if INTERPRETED:
+        pytest.skip("TRITON_INTERPRET=1")
+    spec = _cuda_spec(scheme, 4096, 4096)
+    x = torch.randn(128, 4096, device="cuda", dtype=torch.float16)
+    want = qk._ref_wo_matmul(x, spec, None)
+    from deployments.kernels.policy import capture_graph
+    out: list[torch.Tensor] = []
+    graph = capture_graph(lambda: out.append(qk._ref_wo_matmul(x, spec, None)), "cuda")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[-1], want)
+
+
 @gpu
 def test_gpu_choose_keeps_the_kernels_that_pass_on_the_models_layers():
     if INTERPRETED:

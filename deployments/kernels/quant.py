@@ -66,14 +66,16 @@ class QuantKernels:
 
 def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """The inverse of ``weights.quant.pack_int4``: int32 words -> eight values (0..15, int32)
-    each along ``dim``, element 8 j + order[i] from nibble i of word j."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    x = packed.movedim(dim, -1)
-    nib = (x.unsqueeze(-1) >> shifts) & 0xF  # [..., words, 8]: nibble i
+    each along ``dim``, element 8 j + order[i] from nibble i of word j. Only device work (shifts by
+    Python ints): a host tensor (an index list, a table of shifts) would be copied to the device at
+    each call, which a CUDA graph's capture refuses (the dequantize path of a decode step wider
+    than ``WO_MAX_ROWS`` runs in one)."""
     inv = [0] * 8
     for i, j in enumerate(order):
         inv[j] = i
-    return nib[..., inv].reshape(*x.shape[:-1], -1).movedim(-1, dim)
+    x = packed.movedim(dim, -1)
+    nib = torch.stack([(x >> (4 * i)) & 0xF for i in inv], dim=-1)  # [..., words, 8] in element order
+    return nib.reshape(*x.shape[:-1], -1).movedim(-1, dim)
 
 
 def _groups(spec: WeightSpec) -> torch.Tensor:
