@@ -404,13 +404,17 @@ def main(argv: list[str] | None = None) -> dict:
     deadline = time.time() + 300
     while engine.stats()["graphs_deferred"] and engine.alive() and time.time() < deadline:
         time.sleep(0.01)
+    if not engine.alive():  # (a late capture that failed: every later number would be meaningless)
+        raise RuntimeError(f"the engine's loop died while capturing its graphs: {engine.error!r}") from engine.error
     res["late_captures"] = engine.stats()["late_captures"]  # batch size: [ms, why]
     times, ttfts, decodes, queues, allocs = [], [], [], [], []
     for _ in range(10):
         a = device_allocs(device)
         t = time.perf_counter()
         h = engine.submit(prompt(), SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-        h.result(timeout=600)
+        _, _, reason = h.result(timeout=600)
+        if reason not in ("length", "stop"):
+            raise RuntimeError(f"a timed request ended with {reason!r}: {h.error or engine.error!r}")
         times.append((time.perf_counter() - t) * 1e3)
         ttfts.append(h.ttft_s * 1e3)  # queue + prefill + first token
         queues.append(h.queue_wait_s * 1e3)  # submit -> a cache slot: the loop's wake-up
