@@ -20,9 +20,7 @@ together  Several Ray nodes on this host (``--nodes``), none holding the model, 
         node's time. Runs on a CPU host too. ``--store LATENCY_MS,EGRESS_MBPS`` paces the source
         as an object store that is the limit (the fleet's case, docs/fleet.md).
 serve   Ray Serve on this GPU: a replica's start (Ray added -> RUNNING) with the packed model on
-        the node, then with the model at the source and an empty node cache, then from the node's
-        copy, then from the source with the transfer begun by the worker's setup hook
-        (COLDSTART_EARLY_WEIGHTS naming the URI), alternating; and a
+        the node, then with the model at the source and an empty node cache, alternating; and a
         deployment scaled to zero: its first request's answer beside that replica's start.
 Every figure is of this run; the ratios are what a run is judged on.
 """
@@ -392,12 +390,7 @@ def part_serve(packed: Path, uri: str, rounds: int, res: dict, zero_only: bool =
         shutil.rmtree(cache, ignore_errors=True)
         remote = measure(f"coldstart-remote-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache)}), "/generate", body)
         held = measure(f"coldstart-held-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache)}), "/generate", body)
-        shutil.rmtree(cache, ignore_errors=True)
-        # the transfer begun by the worker's setup hook (COLDSTART_EARLY_WEIGHTS naming the URI)
-        early = measure(f"coldstart-early-{i}", app(uri, {"COLDSTART_CACHE_DIR": str(cache),
-                                                          "COLDSTART_EARLY_WEIGHTS": uri}), "/generate", body)
-        res["rounds"].append({"local": local, "remote_empty_cache": remote, "remote_node_copy": held,
-                              "remote_early_empty_cache": early})
+        res["rounds"].append({"local": local, "remote_empty_cache": remote, "remote_node_copy": held})
         shutil.rmtree(cache, ignore_errors=True)
     # scale from zero: the application up with no replica, then one request; Ray's autoscaling
     # defaults beside the shipped scale-to-zero config's settings

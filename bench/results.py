@@ -273,10 +273,8 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
         serve = f.get("serve")
         for label, key in (("a replica's start (Ray added -> RUNNING), the model on the node", "local"),
                            ("the same, the model at the source and an empty node cache", "remote_empty_cache"),
-                           ("the same, the model at the source and in the node cache", "remote_node_copy"),
-                           ("the same, at the source, an empty node cache, the transfer begun by the setup hook",
-                            "remote_early_empty_cache")):
-            if serve and serve.get("rounds") and all(key in r for r in serve["rounds"]):
+                           ("the same, the model at the source and in the node cache", "remote_node_copy")):
+            if serve and serve.get("rounds"):
                 v = _each([r[key]["start_to_running_s"] for r in serve["rounds"]], 2, "s")
                 rows.append((label, f"**{v}**" if key == "remote_empty_cache" else v))
         for tag in ("defaults", "shipped", "interval-only"):

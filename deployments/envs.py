@@ -83,10 +83,8 @@ VARS: dict[str, Var] = {v.name: v for v in (
     Var("COLDSTART_EARLY_WEIGHTS", "", _text, "A packed model directory (absolute) whose weights the worker "
         "setup hook starts reading into the page cache, one piece at a time, where they are mostly not there "
         "yet: on a new node the disk then works from Ray's first moments of the worker instead of from the "
-        "replica's constructor, seconds later. A remote model's URI (`s3://`, `https://`, ...): the hook "
-        "starts its transfer into the node cache where the cache lacks it, and the constructor waits for it "
-        "where its load begins. `coldstart serve --model`, serve_config.gpu.yaml and serve_config.zero.yaml "
-        "set it to `args.model`; empty: the constructor starts that read or transfer.", "path or URI"),
+        "replica's constructor, seconds later. `coldstart serve --model` and serve_config.gpu.yaml set it to "
+        "`args.model`; empty: the constructor starts that read (`load.trickle`).", "path"),
     Var("COLDSTART_CACHE_DIR", "", _text, "Where a node keeps the remote packed models its replicas fetched "
         "(`args.model` an `s3://`, `gs://` or `https://` URI), each under the digest of its index, for the "
         "node's next replicas and its peers; empty for `~/.cache/coldstart/models`. Put it on local NVMe "

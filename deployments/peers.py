@@ -198,15 +198,3 @@ class RayPeers:
     def announce(self, key: str, rel: str, path: str, chunks: "list[int] | None", reading: list[int],
                  seq: int) -> None:
         self.own.announce.remote(key, rel, path, chunks, reading, seq, os.getpid())
-
-
-def cluster_peers(root: str | os.PathLike) -> RayPeers | None:
-    """This node's peer service and the other nodes' where the process is part of a Ray cluster;
-    None elsewhere (a transfer then reads from the source alone)."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    if not ray.is_initialized():
-        return None
-    return RayPeers(root)

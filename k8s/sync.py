@@ -103,8 +103,7 @@ def zero_overlay(cfg: dict[str, Any]) -> dict[str, Any]:
     for app in cfg["applications"]:
         if "model" in (app.get("args") or {}):
             app["args"]["model"] = ZERO_MODEL
-            # the setup hook begins the model's transfer into a node cache that lacks it
-            app.setdefault("runtime_env", {}).setdefault("env_vars", {})["COLDSTART_EARLY_WEIGHTS"] = ZERO_MODEL
+            app.get("runtime_env", {}).get("env_vars", {}).pop("COLDSTART_EARLY_WEIGHTS", None)
         for dep in app.get("deployments", []):
             if dep.get("autoscaling_config"):
                 dep["autoscaling_config"].update(ZERO_AUTOSCALING)

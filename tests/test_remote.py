@@ -3,7 +3,6 @@ HTTP range server, pushed to, fetched from, with faults mid-transfer, on the wir
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -20,7 +19,6 @@ from helpers_remote import RangeServer, make_bucket, no_partials, s3_server
 from weights import PackOptions, load, pack
 from weights.cache import CacheFullError, NodeCache
 from weights.fetch import Fetch, resolve
-from weights.format import read_packed
 from weights.remote import RemoteError, RemoteNotFound, check_uri, push
 
 CHUNK = 64 << 10  # many chunks in a tiny model: pieces, faults and peers have something to work on
@@ -225,93 +223,6 @@ def test_the_cache_file_holds_the_source_bytes(served, chunked, tmp_path):
     assert isinstance(got, Fetch)
     got.run(threads=4, piece_bytes=1)  # (one chunk a piece: many writes at many offsets)
     assert (got.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
-
-
-_EARLY = """
-import json, sys
-from deployments.node_cache import model_cache
-from deployments.startup import early
-from weights.fetch import Fetch, resolve
-started = early.early_fetch()
-entry = early.fetch_entry(sys.argv[1])
-got = early.fetched(sys.argv[1])
-if got is not None:
-    got["entry"] = entry and str(entry)
-try:
-    entry = resolve(sys.argv[1], model_cache())
-    if isinstance(entry, Fetch):
-        entry = "a new transfer into " + str(entry.run())
-    entry = str(entry)
-except Exception as e:
-    entry = f"{type(e).__name__}: {e}"
-print(json.dumps({"started": started, "got": got, "entry": entry}))
-"""
-
-
-_EARLY_FAILED = """
-import json, sys, urllib.request
-from deployments.startup import early
-from deployments.server.replica import LLMServer
-assert early.early_fetch()
-early._fetch["thread"].join()  # every answer corrupt: the hook's transfer failed
-urllib.request.urlopen(urllib.request.Request(sys.argv[2] + "/_fault", data=b'{"corrupt": 0}', method="POST")).close()
-s = LLMServer(sys.argv[1], device="cpu", engine={"max_slots": 2, "max_seq_len": 128})
-print(json.dumps(s.stats()["weights"]))
-s.shutdown()
-"""
-
-
-def test_a_replica_whose_hook_transfer_failed_fetches_the_model_itself(served, chunked, tmp_path):
-    """The constructor finds the hook's transfer failed (the source sent corrupt bytes then): it
-    fetches the model itself, and /stats says both."""
-    uri = f"{served.url}/tiny"
-    served.fault(corrupt=-1)
-    r = subprocess.run([sys.executable, "-c", _EARLY_FAILED, uri, served.url], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
-                                         "COLDSTART_EARLY_IMPORT": "0", "COLDSTART_CACHE_DIR": str(tmp_path / "cache"),
-                                         "COLDSTART_EARLY_WEIGHTS": uri})
-    assert r.returncode == 0, r.stderr[-3000:]
-    weights = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "checksum mismatch" in weights["early"]["error"], weights
-    assert weights["bytes_from"] == {uri: read_packed(chunked / "model.cst").data_bytes}, weights
-    assert "the transfer begun early failed" in r.stderr
-
-
-def test_a_transfer_imports_no_torch():
-    """The hook's transfer runs beside the import thread's torch: its modules must not wait for it."""
-    code = "import sys, weights.fetch, deployments.peers, deployments.node_cache; print('torch' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
-
-
-def test_the_setup_hook_begins_a_remote_models_transfer_and_the_start_finds_it_done(served, chunked, tmp_path):
-    """COLDSTART_EARLY_WEIGHTS naming a remote model: the hook's thread brings it into the node
-    cache; the constructor's resolve (``early.fetched``, then ``resolve``) finds the node's copy.
-    A transfer that fails there leaves no entry and the constructor's own attempt reports it."""
-    uri = f"{served.url}/tiny"
-    cache = tmp_path / "cache"
-
-    def start(**env: str) -> dict:
-        r = subprocess.run([sys.executable, "-c", _EARLY, uri], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "COLDSTART_EARLY_IMPORT": "0",
-                                "COLDSTART_CACHE_DIR": str(cache), "COLDSTART_EARLY_WEIGHTS": uri, **env})
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    served.fault(corrupt=-1)
-    failed = start()
-    assert failed["started"] and "checksum mismatch" in failed["got"]["error"], failed
-    assert "checksum mismatch" in failed["entry"] and not list(cache.rglob("model.cst")) and not no_partials(cache)
-    served.fault(corrupt=0)
-    first = start()
-    data = read_packed(chunked / "model.cst").data_bytes
-    assert first["started"] and first["got"]["bytes_from"] == {uri: data}, first
-    assert Path(first["entry"]).is_relative_to(cache) and first["got"]["entry"] == first["entry"]
-    assert (Path(first["entry"]) / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
-    again = start()  # the node holds it: the hook's thread finds the copy
-    assert again["got"]["node_copy"] and again["entry"] == first["entry"], again
-    assert start(COLDSTART_EARLY_WEIGHTS=str(chunked))["started"] is False  # a local model: its trickle, not this
 
 
 def test_push_refuses_a_damaged_model(chunked, tmp_path):

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # annotations only: each step imports what it needs when it r
     from deployments.engine.tokenizer import Tokenizer
     from deployments.server.ranks import Ranks
     from deployments.startup.side import SideTask
+    from deployments.peers import RayPeers
     from weights.fetch import Fetch
     from weights.loader import LoadedModel, PendingLoad
 
@@ -87,7 +88,6 @@ class Start:
         self.rank, self.tp, self.leader = rank, args.tp, rank == 0
         self.remote = args.is_remote()
         self.fetch: Fetch | None = None  # a remote model's transfer into this node's cache
-        self.early_fetch = False  # that transfer runs in the setup hook's thread (``early.early_fetch``)
         self.transfer: dict | None = None  # what /stats says of it (``resolve``)
         self._set_path(None if self.remote else args.model_path())
         self.rendezvous = rendezvous  # tcp://host:port of rank 0's process-group store (tp > 1)
@@ -187,24 +187,13 @@ class Start:
     # ---------------------------------------------------------------- steps
     def resolve(self) -> None:
         """A remote model: the entry of this node's cache that holds it, or (where none does) the
-        transfer that brings it, from the other nodes and the source, as the load reads it. Where
-        the worker's setup hook began that transfer (``early.early_fetch``), its entry, and the
-        load waits for its end (``start_load``)."""
-        entry = early.fetch_entry(self.args.model) if self.tp == 1 else None
-        if entry is None:
-            self._resolve()
-            return
-        self.early_fetch = True
-        self.transfer = {"model": self.args.model, "cache_entry": str(entry), "early": {}}
-        self._set_path(entry)
-
-    def _resolve(self) -> None:
+        transfer that brings it, from the other nodes and the source, as the load reads it."""
         from deployments.node_cache import model_cache
-        from deployments.peers import cluster_peers
         from weights.fetch import Fetch, resolve
         cache = model_cache()
-        got = resolve(self.args.model, cache, rank=self.rank if self.tp > 1 else None,
-                      peers=cluster_peers(cache.root), timeout_s=self.opts.remote_timeout_s)
+        peers = _peers(cache.root)
+        got = resolve(self.args.model, cache, rank=self.rank if self.tp > 1 else None, peers=peers,
+                      timeout_s=self.opts.remote_timeout_s)
         if isinstance(got, Fetch):
             self.fetch = got
             # bytes by source and the sources dropped, as the transfer goes on (the dicts themselves)
@@ -217,21 +206,6 @@ class Start:
         else:
             self.transfer = {"model": self.args.model, "cache_entry": str(got), "node_copy": True}
             self._set_path(got)
-
-    def _finish_early_fetch(self) -> None:
-        """Wait for the hook's transfer; where it failed, the constructor's own (whose error, if it
-        fails too, is the replica's)."""
-        t = time.perf_counter()
-        done = early.fetched(self.args.model)
-        self.timer.record("load_early_fetch_wait", time.perf_counter() - t)
-        if "error" in done:
-            log.warning("%s: the transfer begun early failed (%s); starting it again", self.args.model,
-                        done["error"])
-            self._resolve()
-        else:  # where the bytes came from (or that the node held them), as for the constructor's own
-            self.transfer.update({k: done.pop(k) for k in ("bytes_from", "dropped", "busy_s", "node_copy")
-                                  if k in done})
-        self.transfer["early"] = done
 
     def imports(self) -> None:
         from deployments.device import gpu_expected
@@ -284,8 +258,6 @@ class Start:
     def start_load(self) -> None:
         from deployments.model import is_native
         from weights import loader
-        if self.early_fetch:
-            self._finish_early_fetch()
         if self.ranks is None and self.fetch is None:  # (rank 0 of several checked it before it launched the others)
             check_pack(self.path, self.tp)
         self._t_load = time.perf_counter()
@@ -376,6 +348,19 @@ class Start:
         that failed fails the start, naming its rank."""
         self.channel.send(("load_wait", ()))
         self.ranks.loaded(self.channel.gather(None))
+
+
+def _peers(root: Path) -> RayPeers | None:
+    """This node's peer service and the other nodes' (``deployments.peers``), where the process is
+    part of a Ray cluster; None elsewhere (the transfer then reads from the source alone)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    from deployments.peers import RayPeers
+    return RayPeers(root)
 
 
 def check_pack(path: Path, tp: int) -> None:

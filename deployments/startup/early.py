@@ -31,11 +31,7 @@ Where COLDSTART_EARLY_WEIGHTS names the packed model and its weights are mostly 
 cache (a new node), the hook also starts their trickle (``weights.readahead.trickle``: a helper
 process reading the file one piece at a time), which the replica's start would otherwise begin
 in its constructor, seconds later; the constructor finds it running and goes on with it, and the
-loader stops it when its own reads begin. Where it names a remote model (object storage, HTTP) that
-the node's cache lacks, the hook starts its transfer into the cache instead (``early_fetch``: from
-the peers and the source, as ``weights.fetch`` moves it): the constructor takes that entry as the
-model's directory, goes on with its imports and CUDA context, waits for the transfer's end where
-its load begins, and loads the node's copy.
+loader stops it when its own reads begin.
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from pathlib import Path
 from typing import Mapping
 
 from deployments import envs
@@ -62,7 +57,6 @@ _times: dict[str, float] = {}
 _thread: threading.Thread | None = None
 _error: list[BaseException] = []
 _gc: dict[str, float] = {}  # paused_at, resumed_at (Unix times), frozen (objects)
-_fetch: dict = {}  # the hook's transfer of a remote model: uri, thread, resolved, entry, stats or error
 
 
 def hook() -> None:
@@ -72,7 +66,6 @@ def hook() -> None:
     global _thread
     pause_gc()
     early_trickle()
-    early_fetch()
     if _thread is not None or not modules():
         return
     _times["hook_at"] = time.time()
@@ -90,7 +83,7 @@ def early_trickle(env: Mapping[str, str] | None = None) -> bool:
     cache (once per process: the readahead module keeps one helper per file); whether one runs now.
     A missing or unreadable model starts nothing: the constructor reports it."""
     path = envs.read("COLDSTART_EARLY_WEIGHTS", env)
-    if not path or "trickle_at" in _times or _remote(path):
+    if not path or "trickle_at" in _times:
         return False
     _times["trickle_at"] = time.time()
     try:
@@ -98,78 +91,6 @@ def early_trickle(env: Mapping[str, str] | None = None) -> bool:
         return is_cold(path) and trickle(path) is not None
     except Exception:  # noqa: BLE001 - no early read: the constructor starts its own
         return False
-
-
-def _remote(model: str) -> bool:
-    from weights.remote import is_remote
-    return is_remote(model)
-
-
-def early_fetch(env: Mapping[str, str] | None = None) -> bool:
-    """Where COLDSTART_EARLY_WEIGHTS names a remote packed model (``weights.fetch``: object storage,
-    HTTP) that the node's cache does not hold, start its transfer into the cache in a thread of
-    its own, from the peers and the source (once per process); whether one started. The
-    constructor takes its entry (``fetch_entry``) and waits for its end (``fetched``) where its
-    load begins, where it would otherwise begin the transfer itself seconds later. A transfer that
-    fails here starts again in the constructor, which reports its error."""
-    uri = envs.read("COLDSTART_EARLY_WEIGHTS", env)
-    if not uri or _fetch or not _remote(uri):
-        return False
-    _fetch.update(uri=uri, resolved=threading.Event())
-    _times["fetch_at"] = time.time()
-    t = threading.Thread(target=_transfer, args=(uri,), name="coldstart-early-fetch", daemon=True)
-    _fetch["thread"] = t
-    t.start()
-    return True
-
-
-def _transfer(uri: str) -> None:
-    try:
-        from weights.fetch import Fetch, resolve
-        _times["fetch_imported_at"] = time.time()
-        from deployments.node_cache import model_cache
-        from deployments.peers import cluster_peers
-        cache = model_cache()
-        got = resolve(uri, cache, peers=cluster_peers(cache.root))
-        _fetch["entry"] = got.entry if isinstance(got, Fetch) else got
-        _times["fetch_resolved_at"] = time.time()
-        _fetch["resolved"].set()
-        if isinstance(got, Fetch):
-            _fetch["stats"] = got.stats
-            got.run()
-    except BaseException as e:  # noqa: BLE001 - the constructor's own transfer reports it
-        _fetch["error"] = f"{type(e).__name__}: {e}"
-    _fetch["resolved"].set()
-    _times["fetch_done_at"] = time.time()
-
-
-def fetch_entry(uri: str) -> "Path | None":
-    """The node cache's entry the hook's transfer of ``uri`` fills (waiting for the source's header,
-    which names it); None where no such transfer runs, or it failed before it knew the entry."""
-    if _fetch.get("uri") != uri:
-        return None
-    _fetch["resolved"].wait()
-    return _fetch.get("entry")
-
-
-def fetched(uri: str) -> dict | None:
-    """Wait for the hook's transfer of ``uri`` where one runs (None where none does); what the
-    replica's /stats says of it: how long the constructor waited, where the bytes came from (or
-    that the node held them already), or the error that left the constructor to fetch them."""
-    if _fetch.get("uri") != uri:
-        return None
-    t0 = time.time()
-    _fetch["thread"].join()
-    out: dict = {"waited_s": round(time.time() - t0, 3),
-                 "seconds": round(_times["fetch_done_at"] - _times["fetch_at"], 3)}
-    if "error" in _fetch:
-        out["error"] = _fetch["error"]
-    elif "stats" in _fetch:
-        st = _fetch["stats"]
-        out.update(bytes_from=st.bytes_from, dropped=st.dropped, busy_s=st.busy_s)
-    else:
-        out["node_copy"] = True
-    return out
 
 
 def modules(env: Mapping[str, str] | None = None) -> tuple[str, ...]:

@@ -111,6 +111,7 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
     rest as it was."""
     import yaml
 
+    from weights.remote import is_remote
     cfg = yaml.safe_load(config_text) or {}
     apps = cfg.get("applications") or []
     ours = [app for app in apps if app.get("import_path") == APP_IMPORT_PATH]
@@ -120,9 +121,12 @@ def derived_config(config_text: str, gpus: float | None = None, model: str | Pat
     for app in ours:
         if model is not None:
             app["args"] = {**(app.get("args") or {}), "model": str(model)}
-            # the worker setup hook starts reading its weights on a node where they are not in the
-            # page cache, or (a remote model) their transfer into a node cache that lacks them
-            app.setdefault("runtime_env", {}).setdefault("env_vars", {})["COLDSTART_EARLY_WEIGHTS"] = str(model)
+            # the worker setup hook starts reading its weights on a node where they are not cached
+            env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+            if is_remote(str(model)):  # a remote model arrives through the node cache, not a file to read ahead
+                env.pop("COLDSTART_EARLY_WEIGHTS", None)
+            else:
+                env["COLDSTART_EARLY_WEIGHTS"] = str(model)
         if tp is not None:
             app["args"] = {**(app.get("args") or {}), "tp": tp}
     for app in apps:
