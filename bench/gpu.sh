@@ -226,8 +226,16 @@ script_stage() {  # NAME ARGS...: bench/NAME.py --out OUT/NAME/NAME.json ARGS, o
   P+=($name="$d/$name.json")
   return $r
 }
-# weights from object storage and between nodes (FETCH_ARGS: bench/fetch.py's flags)
-stage_fetch() { script_stage fetch ${FETCH_ARGS:-}; }
+# weights from object storage and between nodes (FETCH_ARGS: bench/fetch.py's flags); then each step
+# of a transfer's pieces apart (bench/transfer_steps.py), on the model fetch.py served
+stage_fetch() {
+  script_stage fetch ${FETCH_ARGS:-} || return
+  [ $SKIP = 1 ] || [ ! -f bench/transfer_steps.py ] && return 0
+  local a prev="" packed=/tmp/coldstart-bench/packed
+  for a in ${FETCH_ARGS:-}; do [ "$prev" = --packed ] && packed=$a; prev=$a; done
+  python3 bench/transfer_steps.py --packed "$packed" --out "$d/steps.json" 2>&1 | tail -20 || return
+  P+=(steps="$d/steps.json")
+}
 # quantized checkpoints: load and decode (QUANT_ARGS: bench/quant.py's flags)
 stage_quant() { script_stage quant ${QUANT_ARGS:-}; }
 

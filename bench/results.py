@@ -248,6 +248,11 @@ def _tp(p: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _step(v: dict) -> str:
+    """A timed step's rate, or why it did not run."""
+    return f"{_num(v['GBps'])} GB/s" if "GBps" in v else v.get("error", "not run")
+
+
 def _fetch(p: dict) -> list[tuple[str, str]]:
     """bench/fetch.py's parts (each a run of some of its parts: source, peer, serve)."""
     rows = []
@@ -265,6 +270,15 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
                          "plain reads)"))
             rows.append((f"{tag}the next load, from the node's copy; the packed directory",
                          f"{_num(src['node_copy']['GBps'])} GB/s; {_num(src['local_packed']['GBps'])} GB/s"))
+        if "pipeline" in f and "writes" in f:  # bench/transfer_steps.py: each step of a piece apart
+            steps = [(k, f["pipeline"][k]) for k in ("reads", "copy", "sums", "gpu", "pwrite") if k in f["pipeline"]]
+            rows.append((f"that transfer's steps apart ({f['threads']} threads): the reads alone, then + "
+                         + ", + ".join(k for k, _ in steps[1:]) + " (into the one cache file)",
+                         "; ".join(_step(v) for _, v in steps)))
+            w = f["writes"]
+            rows.append(("writes alone: into one file; one file per thread; one file mapped",
+                         "; ".join(_step(w.get(k, {})) for k in ("pwrite_one_file", "pwrite_file_per_thread",
+                                                                  "mapped_populated_one_file"))))
         peer = f.get("peer")
         if peer:
             rows.append(("a node with an empty cache from a peer's cache (Ray objects): plain reads; the load",

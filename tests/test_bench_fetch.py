@@ -56,3 +56,25 @@ def test_nodes_fetching_together_report_what_the_source_sent(tiny_hf, tmp_path):
         assert node["data_bytes"] == data and sum(node["bytes_from"].values()) == data and not node["dropped"]
     assert run["source_copies"] >= 1 and run["source_copies"] + run["peer_copies"] == pytest.approx(2)
     assert "together round 0: 2 nodes" in r.stdout
+
+
+def test_the_transfer_steps_are_each_timed_over_the_whole_data_region(tiny_hf, tmp_path):
+    """bench/transfer_steps.py on a CPU host: every write way and every pipeline step through the
+    real source and a real cache file, over the model's whole data region; its files removed."""
+    model = pack(tiny_hf, tmp_path / "tiny", PackOptions(progress=False))
+    out, work = tmp_path / "steps.json", tmp_path / "steps"
+    r = subprocess.run([sys.executable, "bench/transfer_steps.py", "--packed", str(model), "--out", str(out),
+                        "--threads", "2", "--dir", str(work)], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["bytes"] == read_packed(model / "model.cst").data_bytes and doc["threads"] == 2
+    assert set(doc["writes"]) == {"pwrite_one_file", "pwrite_file_per_thread", "mapped_populated_one_file",
+                                  "o_direct_one_file"}
+    assert set(doc["compute"]) == {"chunk_sums", "copies"}
+    assert list(doc["pipeline"]) == ["reads", "copy", "sums", "pwrite", "mapped"]  # no GPU: no "gpu" step
+    for part in ("writes", "compute", "pipeline"):
+        for name, step in doc[part].items():  # (O_DIRECT may be refused by the filesystem: said so)
+            assert step.get("GBps", 0) > 0 or (name == "o_direct_one_file" and step["error"]), (name, step)
+    assert not work.exists()
+    assert "pwrite" in r.stdout and f"wrote {out}" in r.stdout

@@ -214,3 +214,36 @@ def test_the_engine_stage_runs_the_7b_the_packed_8b_and_the_prefix_runs(suite, t
         assert rows["the Llama-3-8B shape, 128 requests at once; batch-1 decode"] == "**100 tokens/s**; 5.00 ms/token"
     else:
         assert not (work / "llama3-8b").exists() and "ENGINE_8B=0" in d["command"]
+
+
+FETCH_STAND_IN = """import json, sys
+a = sys.argv[1:]
+open(a[a.index('--out') + 1], 'w').write(json.dumps({'args': a}))
+"""
+STEPS_STAND_IN = """import json, sys
+a = sys.argv[1:]
+doc = {'args': a, 'threads': 16, 'writes': {'pwrite_one_file': {'GBps': 5.0}, 'pwrite_file_per_thread': {'GBps': 40.0},
+       'mapped_populated_one_file': {'error': 'no MADV_POPULATE_WRITE'}},
+       'pipeline': {'reads': {'GBps': 24.0}, 'copy': {'GBps': 15.0}, 'sums': {'GBps': 13.0}, 'gpu': {'GBps': 12.0},
+                    'pwrite': {'GBps': 5.5}}}
+open(a[a.index('--out') + 1], 'w').write(json.dumps(doc))
+"""
+
+
+def test_the_fetch_stage_times_the_transfer_steps_on_the_model_fetch_served(suite, tmp_path):
+    (suite / "bench" / "fetch.py").write_text(FETCH_STAND_IN)
+    (suite / "bench" / "transfer_steps.py").write_text(STEPS_STAND_IN)
+    out = tmp_path / "out"
+    r = _gpu_sh(suite, str(out), "fetch", FETCH_ARGS="--packed /m/packed --parts source")
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads((out / "fetch.json").read_text())
+    assert d["parts"]["fetch"]["args"][-4:] == ["--packed", "/m/packed", "--parts", "source"]
+    assert d["parts"]["steps"]["args"][:2] == ["--packed", "/m/packed"]
+    rows = dict(results.FIGURES["fetch"](d["parts"]))
+    assert rows["that transfer's steps apart (16 threads): the reads alone, then + copy, + sums, + gpu, + pwrite "
+                "(into the one cache file)"] == "24.00 GB/s; 15.00 GB/s; 13.00 GB/s; 12.00 GB/s; 5.50 GB/s"
+    assert rows["writes alone: into one file; one file per thread; one file mapped"] == (
+        "5.00 GB/s; 40.00 GB/s; no MADV_POPULATE_WRITE")
+    (suite / "bench" / "transfer_steps.py").unlink()  # a tree without it: the fetch part alone
+    r = _gpu_sh(suite, str(out), "fetch")
+    assert r.returncode == 0 and set(json.loads((out / "fetch.json").read_text())["parts"]) == {"fetch"}
