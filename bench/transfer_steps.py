@@ -23,6 +23,7 @@ Where a step's rate falls well below the one before it, that step is the transfe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -32,7 +33,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -68,12 +69,31 @@ def _fresh(d: Path) -> Path:
 
 
 def _sized(path: Path, size: int) -> int:
+    """``path`` opened and reserved whole, as a transfer's cache file is (``weights.fetch._allocate``)."""
+    from weights.fetch import _allocate
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, size)  # as the transfer reserves its file
-    except OSError:
-        os.ftruncate(fd, size)
+    _allocate(fd, size, path)
     return fd
+
+
+@contextlib.contextmanager
+def _mapped(path: Path, size: int) -> Iterator[Callable[[int, np.ndarray], None]]:
+    """``path`` reserved and mapped; yields ``copy(at, src)``, which faults the pages of
+    ``at..at+len(src)`` in at once (``MADV_POPULATE_WRITE``), then copies ``src`` there."""
+    fd = _sized(path, size)
+    mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    arr = np.frombuffer(mapped, np.uint8)
+
+    def copy(at: int, src: np.ndarray) -> None:
+        start = at - at % mmap.PAGESIZE
+        mapped.madvise(POPULATE_WRITE, start, at + len(src) - start)
+        np.copyto(arr[at:at + len(src)], src)
+    try:
+        yield copy
+    finally:
+        arr = None  # (the map's buffer let go, so that it can close)
+        mapped.close()
+        os.close(fd)
 
 
 def writes(d: Path, size: int, pieces: list[tuple[int, int]], threads: int) -> dict:
@@ -89,21 +109,12 @@ def writes(d: Path, size: int, pieces: list[tuple[int, int]], threads: int) -> d
         threads, pieces, lambda k, off, n: os.pwrite(fds[k], memoryview(bufs[k])[:n], off)))
     for f in fds:
         os.close(f)
-    fd = _sized(_fresh(d) / "one", size)
-    mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    arr = np.frombuffer(mapped, np.uint8)
-
-    def copy_mapped(k: int, off: int, n: int) -> None:
-        start = off - off % mmap.PAGESIZE
-        mapped.madvise(POPULATE_WRITE, start, off + n - start)
-        np.copyto(arr[off:off + n], bufs[k][:n])
-    try:
-        _timed(res, "mapped_populated_one_file", size, lambda: _each_thread(threads, pieces, copy_mapped))
-    except OSError as e:  # a kernel without MADV_POPULATE_WRITE
-        res["mapped_populated_one_file"] = {"error": str(e)}
-    arr = None  # (the map's buffer let go, so that it can close)
-    mapped.close()
-    os.close(fd)
+    with _mapped(_fresh(d) / "one", size) as copy:
+        try:
+            _timed(res, "mapped_populated_one_file", size, lambda: _each_thread(
+                threads, pieces, lambda k, off, n: copy(off, bufs[k][:n])))
+        except OSError as e:  # a kernel without MADV_POPULATE_WRITE
+            res["mapped_populated_one_file"] = {"error": str(e)}
     try:
         fd = os.open(_fresh(d) / "direct", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     except OSError as e:  # tmpfs and some others refuse O_DIRECT
@@ -191,21 +202,12 @@ def pipeline(packed: Path, uri: str, d: Path, threads: int) -> dict:
     fd = _sized(_fresh(d) / "cache", pf.file_bytes)
     run("pwrite", step(copy=True, check=True, h2d=True, write=lambda v, at, n: os.pwrite(fd, v, at)))
     os.close(fd)
-    fd = _sized(_fresh(d) / "cache", pf.file_bytes)
-    mapped = mmap.mmap(fd, pf.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    arr = np.frombuffer(mapped, np.uint8)
-
-    def copy_mapped(v: memoryview, at: int, n: int) -> None:
-        start = at - at % mmap.PAGESIZE
-        mapped.madvise(POPULATE_WRITE, start, at + n - start)
-        np.copyto(arr[at:at + n], np.frombuffer(v, np.uint8))
-    try:
-        run("mapped", step(copy=True, check=True, h2d=True, write=copy_mapped))
-    except OSError as e:
-        res["mapped"] = {"error": str(e)}
-    arr = None  # (the map's buffer let go, so that it can close)
-    mapped.close()
-    os.close(fd)
+    with _mapped(_fresh(d) / "cache", pf.file_bytes) as copy:
+        try:
+            run("mapped", step(copy=True, check=True, h2d=True,
+                               write=lambda v, at, n: copy(at, np.frombuffer(v, np.uint8))))
+        except OSError as e:
+            res["mapped"] = {"error": str(e)}
     shutil.rmtree(d, ignore_errors=True)
     if gpu:
         for s in slots:
