@@ -22,12 +22,8 @@ past the end of a short last chunk count as zero.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:  # torch is imported where its functions run: a transfer's host checks need only numpy
-    import torch
+import torch
 
 COLS = 512  # words per row: 4 KiB
 
@@ -48,7 +44,6 @@ def chunk_sums_tensor(data: torch.Tensor, chunk_bytes: int, first_chunk: int = 0
     Returns:
         int64 tensor ``[n, 2]`` holding (s1, s2) per chunk as two's complement.
     """
-    import torch
     rows_per_chunk = chunk_bytes // (COLS * 8)
     total = data.numel()
     if n_chunks is None:
@@ -110,8 +105,6 @@ def chunk_sums(data: torch.Tensor, chunk_bytes: int) -> list[tuple[int, int]]:
 
 def as_signed(sums: list[tuple[int, int]]) -> torch.Tensor:
     """Index sums (unsigned) as the int64 tensor ``chunk_sums_tensor`` returns."""
-    import torch
-
     def s(v: int) -> int:
         return v - (1 << 64) if v >= 1 << 63 else v
     return torch.tensor([[s(a), s(b)] for a, b in sums], dtype=torch.int64).view(-1, 2)
