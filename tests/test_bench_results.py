@@ -247,3 +247,22 @@ def test_the_fetch_stage_times_the_transfer_steps_on_the_model_fetch_served(suit
     (suite / "bench" / "transfer_steps.py").unlink()  # a tree without it: the fetch part alone
     r = _gpu_sh(suite, str(out), "fetch")
     assert r.returncode == 0 and set(json.loads((out / "fetch.json").read_text())["parts"]) == {"fetch"}
+
+
+def test_a_transfer_written_behind_the_gpu_shows_both_moments():
+    """A source round with the cache's writes behind the GPU's copies: the load and the whole
+    cache file are two rows, each with its share of the plain reads; an older round, one row."""
+    def rnd(pipe: float, cached: float | None) -> dict:
+        r = {"raw_obstore": {"GBps": 20.0}, "pipeline": {"GBps": pipe}, "ratio": pipe / 20}
+        if cached is not None:
+            r["pipeline"]["cached_GBps"], r["cached_ratio"] = cached, cached / 20
+        return r
+    src = {"node_copy": {"GBps": 9.0}, "local_packed": {"GBps": 10.0}}
+    rows = dict(results.FIGURES["fetch"]({"fetch": {"source": {**src, "rounds": [rnd(12.0, 5.0), rnd(14.0, 6.0)]}}}))
+    assert rows["the same model loaded into the GPU, every piece checked"] == (
+        "**12.00, 14.00 GB/s** (0.60, 0.70 of the plain reads)")
+    assert rows["... and the node cache's copy whole (written behind the GPU's copies)"] == (
+        "5.00, 6.00 GB/s (0.25, 0.30 of the plain reads)")
+    old = dict(results.FIGURES["fetch"]({"fetch": {"source": {**src, "rounds": [rnd(4.0, None)]}}}))
+    assert old["the same model loaded into the GPU and the node cache, every piece checked"] == (
+        "**4.00 GB/s** (0.20 of the plain reads)")

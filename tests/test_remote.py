@@ -266,14 +266,130 @@ def test_a_corrupt_node_copy_is_removed_and_fetched_again(s3, chunked, tmp_path)
 @gpu
 def test_on_a_gpu_the_bytes_stream_into_the_device_and_the_cache_in_one_pass(served, chunked, tmp_path):
     cache = NodeCache(tmp_path / "cache")
-    m = load(f"{served.url}/tiny", "cuda", cache=cache)
+    f = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(f, Fetch)
+    m = load(f, "cuda")
     ref = load(chunked, "cuda")
     assert all(torch.equal(m.tensors[k], ref.tensors[k]) for k in ref.tensors)
+    assert f.cached(60) == m.path  # (written behind the device's copies)
     assert (m.path / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
     served.fault(corrupt=-1)
     with pytest.raises(RemoteError, match="checksum mismatch"):
         load(f"{served.url}/tiny", "cuda", cache=NodeCache(tmp_path / "other"))
     assert not list((tmp_path / "other").rglob("model.cst")) and not no_partials(tmp_path / "other")
+
+
+class _HostCopy:
+    """A write-behind's way back to a "device" that is a host array (on a GPU: ``weights.stream.Slots``)."""
+
+    def __init__(self, device, step: int):
+        import numpy as np
+        self.device, self.views = device, [memoryview(np.empty(step, dtype=np.uint8))]
+
+    def copy_back(self, s: int, off: int, length: int) -> None:
+        self.views[s][:length] = memoryview(self.device[off:off + length])
+
+    def close(self) -> None:
+        self.views = []
+
+
+def _load_behind(fetch: Fetch, device, threads: int = 3, after=None):
+    """What a GPU's load does with a transfer (``weights.stream.stream_into`` with a ``Behind``),
+    into a host array: each piece read and checked without writing, put on the "device", handed to
+    the writers; ``after(off, length)`` runs once a piece is on the device."""
+    import numpy as np
+    step = fetch.piece_step(CHUNK)
+    behind = fetch.write_behind(lambda: _HostCopy(device, step), threads)
+    buf = np.empty(step, dtype=np.uint8)
+    try:
+        for off, length in fetch.pieces(CHUNK):
+            fetch.read_into(memoryview(buf), off, length, write=False)
+            device[off:off + length] = buf[:length]
+            if after is not None:
+                after(off, length)
+            behind.put(off, length)
+    except BaseException:
+        behind.cancel()
+        raise
+    behind.close()
+    return behind
+
+
+def test_writes_behind_the_device_make_the_sources_file_and_free_the_entry(served, chunked, tmp_path):
+    import numpy as np
+    cache = NodeCache(tmp_path / "cache")
+    f = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(f, Fetch)
+    device = np.zeros(f.packed.data_bytes, dtype=np.uint8)
+    _load_behind(f, device)
+    assert f.cached(60) == f.entry
+    assert (f.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+    assert not no_partials(cache.root) and f.stats.busy_s["write"] > 0
+    assert resolve(f"{served.url}/tiny", cache) == f.entry  # committed, and the entry's lock let go
+
+
+def test_a_device_copy_changed_after_its_check_is_kept_out_of_the_cache(served, tmp_path, caplog):
+    """The writers check each piece again as it comes back from the device: a byte changed there
+    never reaches the node's copy (nor its peers); the load itself is not failed by it."""
+    import numpy as np
+    cache = NodeCache(tmp_path / "cache")
+    f = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(f, Fetch)
+    device = np.zeros(f.packed.data_bytes, dtype=np.uint8)
+    victim = f.pieces(CHUNK)[3][0]
+
+    def change(off: int, length: int) -> None:
+        if off == victim:
+            device[off + 7] ^= 1
+    with caplog.at_level("WARNING", logger="weights.fetch"):
+        _load_behind(f, device, after=change)
+        with pytest.raises(RemoteError, match=r"checksum mismatch in chunk 3 .*device's copy"):
+            f.cached(60)
+    assert "not kept in the node cache" in caplog.text and "model.cst" in caplog.text
+    assert not (f.entry / "model.cst").exists() and not no_partials(cache.root)
+    again = resolve(f"{served.url}/tiny", cache)  # the entry's lock was let go: the next start fetches it
+    assert isinstance(again, Fetch)
+    again.abort()
+
+
+def test_a_transfer_failing_with_writes_behind_it_leaves_no_file(served, tmp_path):
+    import numpy as np
+    cache = NodeCache(tmp_path / "cache")
+    f = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(f, Fetch)
+    device = np.zeros(f.packed.data_bytes, dtype=np.uint8)
+    served.fault(corrupt=-1)  # every answer from now on has a changed byte
+    with pytest.raises(RemoteError, match="could not be fetched from any source"):
+        _load_behind(f, device)
+    with pytest.raises(RemoteError, match="nothing kept"):
+        f.cached(10)
+    assert not (f.entry / "model.cst").exists() and not no_partials(cache.root)
+
+
+def test_pieces_checked_but_not_yet_written_are_told_to_peers_as_coming(served, tmp_path):
+    """A piece on the device but not yet in the file is announced as being read (a peer waits for
+    it instead of reading it from the source), and as held once written."""
+    import numpy as np
+    told: list = []
+
+    class Told:
+        def sources(self, key, rel):
+            return []
+
+        def start_piece(self, n):
+            return 0
+
+        def announce(self, key, rel, path, chunks, reading, seq):
+            told.append((chunks, reading))
+    f = resolve(f"{served.url}/tiny", NodeCache(tmp_path / "cache"), peers=Told())
+    assert isinstance(f, Fetch)
+    off, length = f.pieces(CHUNK)[0]
+    buf = np.empty(length, dtype=np.uint8)
+    f.read_into(memoryview(buf), off, length, write=False)
+    assert told[-1] == ([], [0])  # checked, not written: coming
+    f._land(memoryview(buf), off, length)
+    assert told[-1] == ([0], [])
+    f.abort()
 
 
 def test_a_refused_credential_names_the_source_never_the_secret(chunked, tmp_path, monkeypatch):

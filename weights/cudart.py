@@ -21,6 +21,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _H2D = 1                  # cudaMemcpyHostToDevice
+_D2H = 2                  # cudaMemcpyDeviceToHost
 _EVENT_NO_TIMING = 0x2    # cudaEventDisableTiming: cheapest event to record and wait on
 
 
@@ -96,6 +97,9 @@ class CudaRT:
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(self.lib.cudaMemcpyAsync(dst, src, nbytes, _H2D, stream), "cudaMemcpyAsync")
+
+    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self.lib.cudaMemcpyAsync(dst, src, nbytes, _D2H, stream), "cudaMemcpyAsync")
 
     def event(self) -> int:
         e = ctypes.c_void_p()

@@ -10,10 +10,14 @@ second replica on the node waits for this one's transfer instead of starting its
 A ``Fetch`` moves the data region in pieces of whole chunks. Each piece comes from a *source*:
 a peer (another node's cache, ``deployments.peers``) that holds its chunks, spread over the peers
 that hold them, least busy first; else the model's origin (object storage or an HTTP server).
-Every piece is checked against the index's chunk sums as it lands, before it is written to the
-cache's temporary file or copied to the device; a source that fails or sends a corrupt byte is
+Every piece is checked against the index's chunk sums as it lands, before it is copied to the
+device or written to the cache's temporary file; a source that fails or sends a corrupt byte is
 dropped and the piece fetched from the next one, and the node's own peer service is told of each
-checked piece (``Peers.announce``), so that nodes starting together pass chunks on to each other.
+piece written (``Peers.announce``), so that nodes starting together pass chunks on to each other.
+On a GPU the cache's writes go on behind the device's copies (``Behind``): a file's buffered
+writes take its lock one at a time, several times slower than the reads, so they are not let hold
+the staging slots the copies need; each piece is copied back from the device buffer once there,
+checked again and written, and the GPU's load ends without waiting for the file.
 It is told too of the pieces the node is reading from the origin: another node's transfer puts
 such a piece off to its end and then takes it from that peer once held (``PieceOrder``), instead
 of reading it from the origin a second time.
@@ -25,13 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -123,12 +128,14 @@ class Fetch:
         self._holdings: dict[str, Any] = {}
         self._peer_reading: dict[str, set[int]] = {}  # each peer's chunks in flight from the origin
         self._reading: set[int] = set()  # this node's chunks in flight from the origin
+        self._coming: set[int] = set()  # checked, not yet written (``Behind``): held soon, as if being read
         self._slowest_s = 0.0  # the longest a piece has taken from the origin so far
         self._busy: dict[str, int] = {}
         self._refreshed = 0.0
         self._refreshing = threading.Lock()  # one reader thread asks the peers at a time
         self._closed = False
         self._landed: set[int] = set()
+        self.behind: Behind | None = None
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _allocate(self.fd, packed.file_bytes, self.tmp)
@@ -211,9 +218,10 @@ class Fetch:
                 return min(peers, key=lambda p: self._busy.get(p.name, 0))
         return OriginSource(self.origin) if origin_ok else None
 
-    def read_into(self, view: memoryview, off: int, length: int) -> None:
+    def read_into(self, view: memoryview, off: int, length: int, write: bool = True) -> None:
         """Fill ``view[:length]`` with data-region bytes ``off..off+length`` (whole chunks, or the
-        region's end), checked, and write them to the cache's temporary file."""
+        region's end), checked; ``write``: write them to the cache's temporary file now, else they
+        are written later from the device's copy (``Behind.put``)."""
         chunks = self._chunks(off, length)
         at = self.packed.data_offset + off
         failures: list[str] = []
@@ -243,10 +251,13 @@ class Fetch:
                     if from_origin:
                         self._reading.difference_update(chunks)
                         self._slowest_s = max(self._slowest_s, (t1 or t2) - t0)
+                    if bad is None:
+                        self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
+                        if not write:
+                            self._coming.update(chunks)
             if bad is None:
-                self._land(view, off, length, src, chunks)
-                with self._lock:
-                    self.stats.busy_s["write"] += time.perf_counter() - t2
+                if write:
+                    self._land(view, off, length)
                 return
             failures.append(f"{src.name}: {bad}")
             if from_origin:
@@ -270,14 +281,18 @@ class Fetch:
                 return f"checksum mismatch in {self.packed.describe_chunk(first + i)}"
         return None
 
-    def _land(self, view: memoryview, off: int, length: int, src: Source, chunks: range) -> None:
+    def _land(self, view: memoryview, off: int, length: int) -> None:
+        """Write checked bytes into the cache's temporary file; tell the peer service."""
+        t0 = time.perf_counter()
         at = self.packed.data_offset + off
         done = 0
         while done < length:
             done += os.pwrite(self.fd, view[done:length], at + done)
+        chunks = self._chunks(off, length)
         with self._lock:
-            self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
             self._landed.update(chunks)
+            self._coming.difference_update(chunks)
+            self.stats.busy_s["write"] += time.perf_counter() - t0
         self._announce()
 
     def _announce(self) -> None:
@@ -285,7 +300,7 @@ class Fetch:
         if self.peers is None:
             return
         with self._lock:
-            landed, reading = sorted(self._landed), sorted(self._reading)
+            landed, reading = sorted(self._landed), sorted(self._reading | self._coming)
             seq = time.monotonic_ns()
         self.peers.announce(self.key, self.rel, str(self.tmp), landed, reading, seq)
 
@@ -293,11 +308,15 @@ class Fetch:
     def pieces(self, piece_bytes: int) -> list[tuple[int, int]]:
         """The data region in pieces of whole chunks, from the piece where this node begins
         (``Peers.start_piece``; rotated: nodes that start together pass pieces to each other)."""
-        step = max(self.cb, piece_bytes // self.cb * self.cb)
+        step = self.piece_step(piece_bytes)
         n = self.packed.data_bytes
         out = [(o, min(step, n - o)) for o in range(0, n, step)]
         k = self.peers.start_piece(len(out)) % len(out) if out and self.peers is not None else 0
         return out[k:] + out[:k]
+
+    def piece_step(self, piece_bytes: int) -> int:
+        """The pieces' length (whole chunks; the last may be shorter)."""
+        return max(self.cb, piece_bytes // self.cb * self.cb)
 
     def order(self, pieces: list[tuple[int, int]]) -> "PieceOrder":
         """``pieces`` as the reader threads take them (``PieceOrder.next``)."""
@@ -327,6 +346,23 @@ class Fetch:
             self.abort()
             raise
         return self.commit()
+
+    def write_behind(self, copier: Callable[[], Copier], threads: int = 2) -> "Behind":
+        """Write the cache's file behind the device's copies (``Behind``); the transfer's reads
+        are then made with ``write=False``."""
+        self.behind = Behind(self, copier, threads)
+        return self.behind
+
+    def cached(self, timeout: float | None = None) -> Path:
+        """Wait until the node cache holds the file (its writes may go on after the device has the
+        bytes); returns the entry. Raises what kept it out: the cache is then left without it."""
+        if self.behind is not None:
+            self.behind.wait(timeout)
+        elif not self._closed:
+            raise RuntimeError(f"{self.final}: the transfer has not run")
+        if not self.final.is_file():
+            raise RemoteError(f"{self.final}: not in the node cache (the transfer was aborted)")
+        return self.entry
 
     def commit(self) -> Path:
         """The transfer is whole and checked: the file takes its name; returns the entry."""
@@ -368,6 +404,110 @@ class Fetch:
             except Exception as e:
                 log.info("peer service not told of the aborted transfer: %s", e)
         self._release()
+
+
+class Copier(Protocol):
+    """One writer thread's way to the device's copy of the data region (``weights.stream.Slots``)."""
+
+    views: list[memoryview]
+
+    def copy_back(self, s: int, off: int, length: int) -> None:
+        """Fill ``views[s][:length]`` with data-region bytes ``off..off+length``; returns when done."""
+
+    def close(self) -> None:
+        """Free the staging memory."""
+
+
+class Behind:
+    """A transfer's writes into the node cache, behind the device's copies (see the module's
+    docstring). ``put`` the pieces as they reach the device; ``threads`` writer threads copy each
+    back (``Copier``), check its chunk sums again (the file gets only bytes the index vouches for,
+    whatever happened to the device's copy) and write it; ``close`` once every piece was put: the
+    file takes its name when the last is written, in the background. A failure of the writes
+    aborts the file (the cache stays without it, logged) and never the load: the device's bytes
+    were checked as they arrived. The threads are not daemons: an interpreter that exits first
+    waits for the file."""
+
+    def __init__(self, fetch: Fetch, copier: Callable[[], Copier], threads: int):
+        self.fetch = fetch
+        self._q: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._done = threading.Event()
+        self.finished_at = 0.0  # perf_counter() when the file was committed or aborted
+        self._writers = [threading.Thread(target=self._write, args=(copier,), name=f"coldstart-cache-{k}")
+                         for k in range(threads)]
+        for t in self._writers:
+            t.start()
+        self._closer = threading.Thread(target=self._finish, name="coldstart-cache")
+
+    def put(self, off: int, length: int) -> None:
+        """Data-region bytes ``off..off+length`` are on the device (checked): write them."""
+        self._q.put((off, length))
+
+    def _write(self, copier: Callable[[], Copier]) -> None:
+        c = None
+        try:
+            c = copier()
+            while (p := self._q.get()) is not None:
+                if self._error is not None or self._stopped:
+                    continue  # (drained to the end mark)
+                off, length = p
+                c.copy_back(0, off, length)
+                bad = self.fetch._check(c.views[0], off, length)
+                if bad is not None:
+                    raise RemoteError(f"{self.fetch.final}: {bad} in the device's copy, not written to the node "
+                                      "cache (the GPU's memory changed the bytes after they were checked)")
+                self.fetch._land(c.views[0], off, length)
+        except BaseException as e:
+            self._error = self._error or e
+            while self._q.get() is not None:  # the rest is not written; the end mark comes with close()
+                pass
+        finally:
+            if c is not None:
+                c.close()
+
+    def close(self) -> None:
+        """Every piece was put: the file takes its name once they are written (in the background)."""
+        for _ in self._writers:
+            self._q.put(None)
+        self._closer.start()
+
+    def cancel(self) -> None:
+        """The transfer failed: stop writing, wait for the writes under way, remove the file."""
+        self._stopped = True
+        for _ in self._writers:
+            self._q.put(None)
+        for t in self._writers:
+            t.join()
+        self.fetch.abort()
+        self.finished_at = time.perf_counter()
+        self._done.set()
+
+    def _finish(self) -> None:
+        try:
+            for t in self._writers:
+                t.join()
+            if self._error is not None:
+                raise self._error
+            self.fetch.commit()
+        except BaseException as e:
+            self._error = self._error or e
+            self.fetch.abort()
+            log.warning("%s: not kept in the node cache (%s); the loaded model is unaffected, and the node's "
+                        "next replica fetches it again", self.fetch.final, e)
+        finally:
+            self.finished_at = time.perf_counter()
+            self._done.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the file is committed; raise what kept it out of the cache."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.fetch.final}: still being written after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if self._stopped:
+            raise RemoteError(f"{self.fetch.final}: the transfer failed; nothing kept in the node cache")
 
 
 class PieceOrder:

@@ -372,17 +372,21 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
 def _fetch_work(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
                 timer: PhaseTimer, fetch: Fetch) -> None:
     """A remote model's bytes into the device buffer and the node cache: the cold settings' threads,
-    pieces of whole chunks (each checked as it lands, so no device verifier), then the cache's file
-    takes its name; any failure removes it."""
+    pieces of whole chunks (each checked as it lands, so no device verifier); the cache's writes go
+    on behind the copies (``weights.fetch.Behind``) and may end after this returns
+    (``Fetch.cached``); any failure of the transfer removes the cache's file."""
     torch.cuda.set_device(dev)
     o = opts.model_copy(update={"threads": opts.cold_threads, "read_bytes": _piece_bytes(opts, packed)})
+    rt = stream.cudart()
+    step = min(fetch.piece_step(o.read_bytes), -(-packed.data_bytes // 4096) * 4096)
+    behind = fetch.write_behind(lambda: stream.Slots(rt, dev, buffer, 1, step))
     try:
         with timer.phase("fetch", nbytes=packed.data_bytes):
-            stream.stream_into(packed, buffer, dev, o, stream.cudart(), None, fetch)
-        fetch.commit()
+            stream.stream_into(packed, buffer, dev, o, rt, None, fetch, behind)
     except BaseException:
-        fetch.abort()
+        behind.cancel()
         raise
+    behind.close()
 
 
 def _settings_for_cache(packed: PackedFile, opts: LoadOptions) -> LoadOptions:

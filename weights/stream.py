@@ -18,7 +18,7 @@ from .format import PackedFile, PackedFormatError
 from .options import LoadOptions
 
 if TYPE_CHECKING:
-    from .fetch import Fetch
+    from .fetch import Behind, Fetch
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +123,20 @@ class Slots:
             self.tensors = [torch.empty(step, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
             self.views = [memoryview(t.numpy()) for t in self.tensors]
             self.events = [torch.cuda.Event() for _ in range(n)]
-        self.pending: list[int | None] = [None] * n  # end offset of the copy in flight per slot
+        self.pending: list[tuple[int, int] | None] = [None] * n  # (offset, length) of each slot's copy in flight
 
-    def wait(self, s: int) -> int | None:
-        """Wait until slot ``s`` is free; returns the end offset of the copy that freed it."""
-        end, self.pending[s] = self.pending[s], None
-        if end is not None:
-            if self.rt is not None:
-                self.rt.wait(self.events[s])
-            else:
-                self.events[s].synchronize()
-        return end
+    def wait(self, s: int) -> tuple[int, int] | None:
+        """Wait until slot ``s`` is free; returns (offset, length) of the copy that freed it."""
+        piece, self.pending[s] = self.pending[s], None
+        if piece is not None:
+            self._sync(s)
+        return piece
+
+    def _sync(self, s: int) -> None:
+        if self.rt is not None:
+            self.rt.wait(self.events[s])
+        else:
+            self.events[s].synchronize()
 
     def copy(self, s: int, off: int, length: int) -> None:
         if self.rt is not None:
@@ -143,7 +146,18 @@ class Slots:
             with torch.cuda.stream(self.stream):
                 self.buffer[off: off + length].copy_(self.tensors[s][:length], non_blocking=True)
                 self.events[s].record(self.stream)
-        self.pending[s] = off + length
+        self.pending[s] = (off, length)
+
+    def copy_back(self, s: int, off: int, length: int) -> None:
+        """The device buffer's bytes ``off..off+length`` into slot ``s``; returns when they are there."""
+        if self.rt is not None:
+            self.rt.copy_d2h(self.ptrs[s], self.base + off, length, self.handle)
+            self.rt.record(self.events[s], self.handle)
+        else:
+            with torch.cuda.stream(self.stream):
+                self.tensors[s][:length].copy_(self.buffer[off: off + length], non_blocking=True)
+                self.events[s].record(self.stream)
+        self._sync(s)
 
     def close(self) -> None:
         if self.rt is not None:
@@ -154,9 +168,11 @@ class Slots:
 
 
 def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
-                 rt, verifier: DeviceVerifier | None, fetch: "Fetch | None" = None) -> None:
+                 rt, verifier: DeviceVerifier | None, fetch: "Fetch | None" = None,
+                 behind: "Behind | None" = None) -> None:
     """Fill ``buffer`` with the data region: from the file, or through ``fetch`` (a remote model's
-    transfer, ``weights.fetch``: its pieces, each checked as it lands, in its order; no verifier)."""
+    transfer, ``weights.fetch``: its pieces, each checked as it lands, in its order; no verifier),
+    each piece given to ``behind`` once on the device (its writes into the node cache)."""
     n, step = packed.data_bytes, opts.read_bytes
     order = None
     if fetch is not None:
@@ -175,11 +191,18 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
     lock = threading.Lock()
     all_slots: list[Slots] = []  # freed after every thread is done: cudaFreeHost can sync the device
 
-    def landed(k: int, end: int | None) -> None:
-        if verifier is None or end is None:
+    def landed(k: int, piece: tuple[int, int] | None) -> None:
+        if piece is None:
+            return
+        if behind is not None:
+            behind.put(*piece)
+        advance(k, sum(piece))
+
+    def advance(k: int, upto: int) -> None:
+        if verifier is None:
             return
         with lock:
-            done_upto[k] = end
+            done_upto[k] = upto
             low = min(done_upto)
         verifier.advance(low)
 
@@ -197,13 +220,13 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                 s = i % len(slots.views)
                 landed(k, slots.wait(s))
                 if fetch is not None:
-                    fetch.read_into(slots.views[s], off, length)
+                    fetch.read_into(slots.views[s], off, length, write=behind is None)
                 else:
                     _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
                 slots.copy(s, off, length)
             for s in range(len(slots.views)):
-                slots.wait(s)
-            landed(k, n)
+                landed(k, slots.wait(s))
+            advance(k, n)
         except BaseException as e:  # re-raised in the caller's thread below
             errors.append(e)
             stop.set()
