@@ -463,8 +463,10 @@ def test_cuda_graph_decode_equals_eager():
         eng.start()
         try:
             st = eng.stats()
-            # batch (1, 2, 4) x kv length (32, 128); lazy: batch 1's alone, 2 and 4 deferred
-            assert (st["graphs"], st["graphs_deferred"]) == ((2, 2) if lazy else (6, 0) if graphs else (0, 0))
+            # batch (1, 2, 4) x the kv lengths (32, 128) that need a graph each (the Triton attention: the
+            # longest alone); lazy: batch 1's alone, 2 and 4 deferred
+            n_kv = len(model.decode_kv_lens((32, 128)))
+            assert (st["graphs"], st["graphs_deferred"]) == ((n_kv, 2) if lazy else (3 * n_kv, 0) if graphs else (0, 0))
             if graphs:  # each batch size's first eager step, timed on its own
                 assert sorted(st["first_launch_ms"]) == ([1] if lazy else [1, 2, 4])
             if graphs and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
@@ -492,8 +494,8 @@ def test_deferred_graphs_are_captured_when_the_loop_is_idle():
         want = [h.result(timeout=60)[0] for h in [eager.submit(p, params) for p in PROMPTS[:4]]]
     finally:
         eager.shutdown()
-    eng = Engine(build_model(config, tensors), None,
-                 EngineConfig(max_slots=4, max_seq_len=128, kv_len_buckets=(32,)))  # lazy: the default
+    model = build_model(config, tensors)
+    eng = Engine(model, None, EngineConfig(max_slots=4, max_seq_len=128, kv_len_buckets=(32,)))  # lazy: the default
     eng.start()
     try:
         time.sleep(0.3)
@@ -503,7 +505,7 @@ def test_deferred_graphs_are_captured_when_the_loop_is_idle():
         while eng.stats()["graphs_deferred"] and time.time() < deadline:
             time.sleep(0.01)
         st = eng.stats()
-        assert st["graphs"] == 6 and {b: why for b, (_, why) in st["late_captures"].items()} == {2: "idle", 4: "idle"}
+        assert st["graphs"] == 3 * len(model.decode_kv_lens((32, 128))) and {b: why for b, (_, why) in st["late_captures"].items()} == {2: "idle", 4: "idle"}
         # what the graphs captured while idle compute is what eager steps compute
         assert [h.result(timeout=60)[0] for h in [eng.submit(p, params) for p in PROMPTS[:4]]] == want
     finally:
