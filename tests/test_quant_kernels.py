@@ -67,7 +67,8 @@ def interp():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq", "gptq-act-order", "gptq-v2"])
-@pytest.mark.parametrize("N,K,M", [(40, 72, 1), (8, 40, 3), (64, 160, 17)])  # 72, 40, 160: a partial last group
+# 72, 40, 160: a partial last group; 160 (int4) and 512: K cut into two parts (kernels.quant._split_k)
+@pytest.mark.parametrize("N,K,M", [(40, 72, 1), (8, 40, 3), (64, 160, 17), (16, 512, 3)])
 def test_interp_wo_matmul(interp, scheme, N, K, M, dtype):
     if dtype == torch.bfloat16:
         # the interpreter's tl.dot of two bf16 tiles returns garbage (Triton 3.9; the same 16 x 16 product
@@ -84,6 +85,16 @@ def test_interp_wo_matmul(interp, scheme, N, K, M, dtype):
     # the reference rounds it, then one rounding of an fp32 sum
     ref = interp._ref_wo_matmul(x, spec, bias).float() if dtype != torch.float32 else want
     torch.testing.assert_close(got.float(), ref, **{k: v * 4 for k, v in TOL[dtype].items()})
+
+
+def test_the_weight_only_kernel_cuts_k_for_few_programs_and_reads_a_groups_scales_once():
+    spec = _spec("awq", 64, 160)  # groups of 32
+    assert qk._wo_blocks(spec) == (16, 32, 32, True)
+    assert qk._wo_blocks(_spec("gptq-act-order", 64, 160))[3] is False  # (g_idx: each row its own group)
+    assert qk._wo_blocks(_spec("ct-channel", 64, 160)) == (16, 32, 128, False)
+    assert qk._split_k(128, 32, torch.device("cpu")) == 1  # (the interpreter's two "multiprocessors")
+    assert qk._split_k(2, 5, torch.device("cpu")) == 2  # each part at least two tiles
+    assert qk._split_k(1, 64, torch.device("cpu")) == 8
 
 
 def test_interp_wo_matmul_keeps_leading_dims(interp):

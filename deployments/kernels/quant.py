@@ -104,10 +104,31 @@ def _ref_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None)
     return F.linear(x, dequantize(spec, x.dtype), bias)
 
 
-def _wo_blocks(m: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows (the tensor cores' least), narrow column tiles so that
-    a 4096-wide layer spreads over 128 programs."""
-    return 16, 32, max(16, min(128, 1 << (k - 1).bit_length()))
+def _wo_blocks(spec: WeightSpec) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_TILE): 16 rows (the tensor cores' least), narrow column
+    tiles so that a 4096-wide layer spreads over 128 programs; for int4 groups of a power of two
+    (no act-order), tiles no taller than a group, so that each reads one row of scales and zero
+    points instead of one per element."""
+    bk = max(16, min(128, 1 << (spec.k - 1).bit_length()))
+    tile = spec.scheme in (AWQ, GPTQ) and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
+    return 16, 32, min(bk, spec.group) if tile else bk, tile
+
+
+_SMS: dict[int, int] = {}
+
+
+def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:
+    """Into how many parts the weight-only kernel cuts K: enough programs for about four per
+    multiprocessor (a decode step's few rows over a narrow layer leave most of the GPU idle), each
+    part at least two tiles."""
+    if device.type == "cuda":
+        i = device.index if device.index is not None else torch.cuda.current_device()
+        if i not in _SMS:
+            _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+        sms = _SMS[i]
+    else:
+        sms = 2  # (the Triton interpreter: the split's path is exercised on small layers)
+    return max(1, min(16, 4 * sms // programs, k_tiles // 2))
 
 
 def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None) -> torch.Tensor:
@@ -115,17 +136,28 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
-    bm, bn, bk = _wo_blocks(M, spec.k)
+    bm, bn, bk, tile = _wo_blocks(spec)
+    grid_n, grid_m, k_tiles = ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(M, bm), ops.triton.cdiv(spec.k, bk)
+    split = _split_k(grid_n * grid_m, k_tiles, x.device)
+    k_split = ops.triton.cdiv(k_tiles, split) * bk
+    split = ops.triton.cdiv(spec.k, k_split)  # (no part left empty)
+    if split > 1:
+        y = torch.empty((split, M, spec.n), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
     z = spec.z if spec.z is not None else spec.q
     gi = spec.g_idx if spec.g_idx is not None else spec.q
-    grid = (ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(M, bm))
-    _wo_matmul_kernel[grid](
-        x2, spec.q, spec.s, z, gi, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0), y.stride(0),
-        spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0, z.stride(0) if z.dim() == 2 else 0,
-        max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1), spec.zero_offset,
-        SCHEME=spec.scheme, HAS_GIDX=spec.g_idx is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    _wo_matmul_kernel[(grid_n, grid_m, split)](
+        x2, spec.q, spec.s, z, gi, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0),
+        y.stride(-2), spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0,
+        z.stride(0) if z.dim() == 2 else 0, max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1),
+        spec.zero_offset, k_split, SCHEME=spec.scheme, HAS_GIDX=spec.g_idx is not None, HAS_BIAS=bias is not None,
+        GROUP_TILE=tile, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    if split > 1:
+        y = y.sum(0)
+        if bias is not None:
+            y += bias.float()
+        y = y.to(x.dtype)
     return y.view(*x.shape[:-1], spec.n)
 
 
