@@ -273,6 +273,9 @@ def test_on_a_gpu_the_bytes_stream_into_the_device_and_the_cache_in_one_pass(ser
     assert all(torch.equal(m.tensors[k], ref.tensors[k]) for k in ref.tensors)
     assert f.cached(60) == m.path  # (written behind the device's copies)
     assert (m.path / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+    served.fault(corrupt=2)  # two answers with a changed byte, found on the device: fetched again
+    again = load(f"{served.url}/tiny", "cuda", cache=NodeCache(tmp_path / "again"))
+    assert all(torch.equal(again.tensors[k], ref.tensors[k]) for k in ref.tensors)
     served.fault(corrupt=-1)
     with pytest.raises(RemoteError, match="checksum mismatch"):
         load(f"{served.url}/tiny", "cuda", cache=NodeCache(tmp_path / "other"))
@@ -326,6 +329,41 @@ def test_writes_behind_the_device_make_the_sources_file_and_free_the_entry(serve
     assert (f.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
     assert not no_partials(cache.root) and f.stats.busy_s["write"] > 0
     assert resolve(f"{served.url}/tiny", cache) == f.entry  # committed, and the entry's lock let go
+
+
+def test_a_piece_the_device_finds_corrupt_is_fetched_again_and_the_cache_gets_good_bytes(served, chunked, tmp_path,
+                                                                                        caplog):
+    """The GPU's way with a transfer: the readers only read, each piece is checked where it landed
+    (``weights.stream.PieceVerifier``, here over a CPU tensor) before the cache's writes get it, and
+    a corrupt one is fetched again, checked on the host (``Fetch.refetch``)."""
+    import numpy as np
+
+    from weights.stream import PieceVerifier
+    cache = NodeCache(tmp_path / "cache")
+    f = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(f, Fetch)
+    device = torch.zeros(f.packed.data_bytes, dtype=torch.uint8)
+    host = device.numpy()  # (the same memory)
+    step = f.piece_step(CHUNK)
+    behind = f.write_behind(lambda: _HostCopy(host, step))
+    checks = PieceVerifier(f.packed, device, device.device, behind)
+    buf = np.empty(step, dtype=np.uint8)
+    served.fault(corrupt=1)  # the next answer carries a changed byte: unchecked on the host
+    for off, length in f.pieces(CHUNK):
+        f.read_into(memoryview(buf), off, length, write=False, check=False)
+        host[off:off + length] = buf[:length]
+        checks.put(off, length)
+    bad = checks.finish()
+    assert len(bad) == 1 and not (f.entry / "model.cst").exists()
+    with caplog.at_level("WARNING", logger="weights.fetch"):
+        for off, length in bad:
+            f.refetch(memoryview(buf), off, length)
+            host[off:off + length] = buf[:length]
+            behind.put(off, length)
+    behind.close()
+    assert "found on the device: fetched again" in caplog.text
+    assert f.cached(60) == f.entry
+    assert (f.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
 
 
 def test_a_device_copy_changed_after_its_check_is_kept_out_of_the_cache(served, tmp_path, caplog):

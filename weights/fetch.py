@@ -129,6 +129,7 @@ class Fetch:
         self._peer_reading: dict[str, set[int]] = {}  # each peer's chunks in flight from the origin
         self._reading: set[int] = set()  # this node's chunks in flight from the origin
         self._coming: set[int] = set()  # checked, not yet written (``Behind``): held soon, as if being read
+        self._sent: dict[int, str] = {}  # each piece's source, by its offset
         self._slowest_s = 0.0  # the longest a piece has taken from the origin so far
         self._busy: dict[str, int] = {}
         self._refreshed = 0.0
@@ -218,10 +219,12 @@ class Fetch:
                 return min(peers, key=lambda p: self._busy.get(p.name, 0))
         return OriginSource(self.origin) if origin_ok else None
 
-    def read_into(self, view: memoryview, off: int, length: int, write: bool = True) -> None:
+    def read_into(self, view: memoryview, off: int, length: int, write: bool = True, check: bool = True) -> None:
         """Fill ``view[:length]`` with data-region bytes ``off..off+length`` (whole chunks, or the
         region's end), checked; ``write``: write them to the cache's temporary file now, else they
-        are written later from the device's copy (``Behind.put``)."""
+        are written later from the device's copy (``Behind.put``). ``check=False`` (with
+        ``write=False``): the device checks them as they land, and a bad piece comes back
+        through ``refetch``."""
         chunks = self._chunks(off, length)
         at = self.packed.data_offset + off
         failures: list[str] = []
@@ -239,7 +242,7 @@ class Fetch:
             try:
                 src.read_into(self.rel, at, view[:length])
                 t1 = time.perf_counter()
-                bad = self._check(view, off, length)
+                bad = self._check(view, off, length) if check else None
             except Exception as e:  # any failure of a source: the next one is tried
                 bad = f"failed ({e})"
             finally:
@@ -253,6 +256,7 @@ class Fetch:
                         self._slowest_s = max(self._slowest_s, (t1 or t2) - t0)
                     if bad is None:
                         self.stats.bytes_from[src.name] = self.stats.bytes_from.get(src.name, 0) + length
+                        self._sent[off] = src.name
                         if not write:
                             self._coming.update(chunks)
             if bad is None:
@@ -268,6 +272,20 @@ class Fetch:
                           f"({self.packed.describe_chunk(chunks[0])}) could not be fetched from any source: "
                           + "; ".join(failures) + "; check the source (push the model again if its copy there "
                           "is corrupt)")
+
+    def refetch(self, view: memoryview, off: int, length: int) -> None:
+        """The device found the piece at ``off`` corrupt as it landed: the peer that sent it is
+        dropped (the origin is asked again, as for a fault found on the host) and the piece read
+        again into ``view``, checked here this time."""
+        chunks = self._chunks(off, length)
+        with self._lock:
+            name = self._sent.pop(off, None)
+            src = next((p for p in self._sources if p.name == name), None)
+        what = f"a changed byte in {self.packed.describe_chunk(chunks[0])}"
+        log.warning("%s: %s from %s, found on the device: fetched again", self.rel, what, name)
+        if src is not None:
+            self._drop(src, what)
+        self.read_into(view, off, length, write=False)
 
     def _check(self, view: memoryview, off: int, length: int) -> str | None:
         from . import checksum

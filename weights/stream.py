@@ -5,8 +5,10 @@ thread)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,6 +103,58 @@ class DeviceVerifier:
         check_sums(self.packed, self.sums)
 
 
+class PieceVerifier:
+    """A remote model's pieces checked on the device as they land (``stream_into`` with a fetch):
+    the host's readers then only read and copy. Each piece's chunk sums are computed on this
+    thread's stream and compared with the index's; a good piece goes on to the cache's writes
+    (``behind``), a bad one is kept for ``finish``, which the loader's thread follows by fetching
+    it again (``Fetch.refetch``)."""
+
+    def __init__(self, packed: PackedFile, buffer: torch.Tensor, dev: torch.device, behind: "Behind | None"):
+        self.buffer, self.dev, self.behind = buffer, dev, behind
+        self.cb = packed.index.chunk_bytes
+        self.want = checksum.as_signed(packed.index.chunk_sums).to(dev)
+        self.bad: list[tuple[int, int]] = []
+        self.error: BaseException | None = None
+        self._q: "queue.Queue[tuple[int, int] | None]" = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="coldstart-verify", daemon=True)
+        self.thread.start()
+
+    def put(self, off: int, length: int) -> None:
+        """Data-region bytes ``off..off+length`` (whole chunks, or the region's end) are on the device."""
+        self._q.put((off, length))
+
+    def _run(self) -> None:
+        try:
+            cuda = self.dev.type == "cuda"
+            if cuda:
+                torch.cuda.set_device(self.dev)
+            with torch.cuda.stream(torch.cuda.Stream(self.dev)) if cuda else contextlib.nullcontext():
+                while (p := self._q.get()) is not None:
+                    if self.error is not None:
+                        continue
+                    off, length = p
+                    first, k = off // self.cb, -(-length // self.cb)
+                    got = checksum.chunk_sums_tensor(self.buffer, self.cb, first, k)
+                    if bool((got == self.want[first:first + k]).all()):  # (waits for this stream only)
+                        if self.behind is not None:
+                            self.behind.put(off, length)
+                    else:
+                        self.bad.append(p)
+        except BaseException as e:  # reported by finish()
+            self.error = e
+            while self._q.get() is not None:
+                pass
+
+    def finish(self) -> list[tuple[int, int]]:
+        """Every piece was put: wait for their checks; the pieces found bad."""
+        self._q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.bad
+
+
 class Slots:
     """One reader thread's pinned staging slots, stream and copies.
 
@@ -171,8 +225,8 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                  rt, verifier: DeviceVerifier | None, fetch: "Fetch | None" = None,
                  behind: "Behind | None" = None) -> None:
     """Fill ``buffer`` with the data region: from the file, or through ``fetch`` (a remote model's
-    transfer, ``weights.fetch``: its pieces, each checked as it lands, in its order; no verifier),
-    each piece given to ``behind`` once on the device (its writes into the node cache)."""
+    transfer, ``weights.fetch``: its pieces in its order, each checked on the device as it lands
+    (``PieceVerifier``; no ``verifier``) and then given to ``behind``, the node cache's writes)."""
     n, step = packed.data_bytes, opts.read_bytes
     order = None
     if fetch is not None:
@@ -191,11 +245,13 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
     lock = threading.Lock()
     all_slots: list[Slots] = []  # freed after every thread is done: cudaFreeHost can sync the device
 
+    checks = PieceVerifier(packed, buffer, dev, behind) if fetch is not None else None
+
     def landed(k: int, piece: tuple[int, int] | None) -> None:
         if piece is None:
             return
-        if behind is not None:
-            behind.put(*piece)
+        if checks is not None:
+            checks.put(*piece)
         advance(k, sum(piece))
 
     def advance(k: int, upto: int) -> None:
@@ -220,7 +276,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                 s = i % len(slots.views)
                 landed(k, slots.wait(s))
                 if fetch is not None:
-                    fetch.read_into(slots.views[s], off, length, write=behind is None)
+                    fetch.read_into(slots.views[s], off, length, write=False, check=False)
                 else:
                     _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
                 slots.copy(s, off, length)
@@ -240,6 +296,10 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
             t.start()
         for t in threads:
             t.join()
+        if checks is not None:
+            bad = checks.finish()
+            if bad and not errors:
+                _again(fetch, all_slots[0], bad, checks)
     finally:
         if fd >= 0:
             os.close(fd)
@@ -250,6 +310,20 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
             verifier.thread.join()
     if errors:
         raise errors[0]
+
+
+def _again(fetch: "Fetch", slots: Slots, bad: list[tuple[int, int]], checks: PieceVerifier) -> None:
+    """The pieces the device found corrupt, fetched again (checked on the host this time) and
+    copied once more; then on to the cache's writes."""
+    for off, length in bad:
+        slots.wait(0)
+        fetch.refetch(slots.views[0], off, length)
+        slots.copy(0, off, length)
+        slots.wait(0)
+        if checks.behind is not None:
+            checks.behind.put(off, length)
+
+
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
     """The weight file's descriptor, with O_DIRECT when asked and the filesystem allows it."""
     if direct and hasattr(os, "O_DIRECT"):
