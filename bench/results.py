@@ -300,6 +300,15 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
             if serve and serve.get("rounds"):
                 v = _each([r[key]["start_to_running_s"] for r in serve["rounds"]], 2, "s")
                 rows.append((label, f"**{v}**" if key == "remote_empty_cache" else v))
+        own = [r for r in (serve or {}).get("rounds", []) if all("detail" in r[k] for k in
+                                                                ("local", "remote_empty_cache", "remote_node_copy"))]
+        if own:  # (Ray's own part of a start drifts by seconds between deploys: the replica's part apart)
+            rows.append(("the replica's own part of those starts (its constructor to warm): the model on the node; "
+                         "at the source (of it, the transfer); in the node cache",
+                         _each([r["local"]["detail"]["total"] for r in own], 2, "s")
+                         + "; " + _each([r["remote_empty_cache"]["detail"]["total"] for r in own], 2, "s")
+                         + f" ({_each([r['remote_empty_cache']['detail'].get('fetch', 0) for r in own], 2, 's')}); "
+                         + _each([r["remote_node_copy"]["detail"]["total"] for r in own], 2, "s")))
         for tag in ("defaults", "shipped", "interval-only"):
             z = [r for r in (serve or {}).get("scale_from_zero", []) if r["config"] == tag]
             if z:

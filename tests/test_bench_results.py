@@ -266,3 +266,16 @@ def test_a_transfer_written_behind_the_gpu_shows_both_moments():
     old = dict(results.FIGURES["fetch"]({"fetch": {"source": {**src, "rounds": [rnd(4.0, None)]}}}))
     assert old["the same model loaded into the GPU and the node cache, every piece checked"] == (
         "**4.00 GB/s** (0.20 of the plain reads)")
+
+
+def test_the_replicas_own_part_of_each_start_is_shown_beside_rays():
+    def case(total: float, ray: float, fetch: float | None = None) -> dict:
+        detail = {"total": total, **({"fetch": fetch} if fetch is not None else {})}
+        return {"start_to_running_s": total + ray, "detail": detail}
+    rounds = [{"local": case(2.0, 9.0), "remote_empty_cache": case(3.5, 6.0, 2.5), "remote_node_copy": case(1.9, 6.0)},
+              {"local": case(2.5, 7.0), "remote_empty_cache": case(4.0, 7.0, 3.0), "remote_node_copy": case(2.1, 7.0)}]
+    rows = dict(results.FIGURES["fetch"]({"run": {"serve": {"rounds": rounds}}}))
+    assert rows["the same, the model at the source and an empty node cache"] == "**9.50, 11.00 s**"
+    assert rows["the replica's own part of those starts (its constructor to warm): the model on the node; at the "
+                "source (of it, the transfer); in the node cache"] == (
+        "2.00, 2.50 s; 3.50, 4.00 s (2.50, 3.00 s); 1.90, 2.10 s")
