@@ -404,6 +404,41 @@ def test_a_transfer_failing_with_writes_behind_it_leaves_no_file(served, tmp_pat
     assert not (f.entry / "model.cst").exists() and not no_partials(cache.root)
 
 
+def test_an_abort_while_writes_are_behind_waits_for_them_and_keeps_nothing(served, tmp_path):
+    """A replica's start failing after its load (its writes still behind it): the abort stops the
+    writers and waits for the write under way before the file's descriptor closes."""
+    import numpy as np
+    cache = NodeCache(tmp_path / "cache")
+    f = resolve(f"{served.url}/tiny", cache)
+    assert isinstance(f, Fetch)
+    device = np.zeros(f.packed.data_bytes, dtype=np.uint8)
+    gate, inside = threading.Event(), threading.Event()
+
+    class Held(_HostCopy):
+        def copy_back(self, s: int, off: int, length: int) -> None:
+            inside.set()
+            gate.wait(30)
+            super().copy_back(s, off, length)
+    step = f.piece_step(CHUNK)
+    behind = f.write_behind(lambda: Held(device, step), 2)
+    buf = np.empty(step, dtype=np.uint8)
+    for off, length in f.pieces(CHUNK):
+        f.read_into(memoryview(buf), off, length, write=False)
+        device[off:off + length] = buf[:length]
+        behind.put(off, length)
+    behind.close()
+    assert inside.wait(30)
+    aborting = threading.Thread(target=f.abort)
+    aborting.start()
+    time.sleep(0.3)
+    assert aborting.is_alive() and f.tmp.exists()  # waiting for the writes under way
+    gate.set()
+    aborting.join(30)
+    with pytest.raises(RemoteError, match="aborted"):
+        f.cached(30)
+    assert not (f.entry / "model.cst").exists() and not no_partials(cache.root)
+
+
 def test_pieces_checked_but_not_yet_written_are_told_to_peers_as_coming(served, tmp_path):
     """A piece on the device but not yet in the file is announced as being read (a peer waits for
     it instead of reading it from the source), and as held once written."""

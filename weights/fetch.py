@@ -135,6 +135,7 @@ class Fetch:
         self._refreshed = 0.0
         self._refreshing = threading.Lock()  # one reader thread asks the peers at a time
         self._closed = False
+        self._ending = threading.Lock()  # commit and abort, one at a time
         self._landed: set[int] = set()
         self.behind: Behind | None = None
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -384,17 +385,20 @@ class Fetch:
 
     def commit(self) -> Path:
         """The transfer is whole and checked: the file takes its name; returns the entry."""
-        if len(self._landed) != len(self._sums):
-            self.abort()
-            raise RemoteError(f"{self.origin.uri}/{self.rel}: transfer ended with "
-                              f"{len(self._landed)} of {len(self._sums)} chunks")
-        try:
-            os.close(self.fd)
-            publish_file(self.tmp, self.final)
-        except BaseException:
-            self.abort()
-            raise
-        self._closed = True
+        with self._ending:
+            if self._closed:
+                raise RemoteError(f"{self.final}: the transfer was aborted before it was whole")
+            if len(self._landed) != len(self._sums):
+                self._end()
+                raise RemoteError(f"{self.origin.uri}/{self.rel}: transfer ended with "
+                                  f"{len(self._landed)} of {len(self._sums)} chunks")
+            try:
+                os.close(self.fd)
+                publish_file(self.tmp, self.final)
+            except BaseException:
+                self._end()
+                raise
+            self._closed = True
         self.cache.touch(self.entry)
         log.info("%s: %.2f GB in the node cache at %s (%s)", self.rel, self.packed.file_bytes / 1e9, self.final,
                  ", ".join(f"{k}: {v / 1e9:.2f} GB" for k, v in self.stats.bytes_from.items()))
@@ -404,9 +408,18 @@ class Fetch:
         return self.entry
 
     def abort(self) -> None:
-        """Remove the temporary file and let go of the entry (idempotent)."""
-        if self._closed:
-            return
+        """Remove the temporary file and let go of the entry (idempotent). Writes behind the
+        device (``Behind``) are stopped first: none is under way when the file's descriptor
+        closes (its number could be another file's a moment later)."""
+        if self.behind is not None:
+            self.behind.stop()
+        with self._ending:
+            if self._closed:
+                return
+            self._end()
+
+    def _end(self) -> None:
+        """``abort``'s work, the ending lock held."""
         self._closed = True
         try:
             os.close(self.fd)
@@ -451,6 +464,8 @@ class Behind:
         self._q: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._stopped = False
+        self._queue_lock = threading.Lock()
+        self._queue_ended = False  # the writers' end marks are queued
         self._done = threading.Event()
         self.finished_at = 0.0  # perf_counter() when the file was committed or aborted
         self._writers = [threading.Thread(target=self._write, args=(copier,), name=f"coldstart-cache-{k}")
@@ -487,18 +502,29 @@ class Behind:
 
     def close(self) -> None:
         """Every piece was put: the file takes its name once they are written (in the background)."""
-        for _ in self._writers:
-            self._q.put(None)
+        self._end_queue()
         self._closer.start()
+
+    def _end_queue(self) -> None:
+        with self._queue_lock:
+            if not self._queue_ended:
+                self._queue_ended = True
+                for _ in self._writers:
+                    self._q.put(None)
+
+    def stop(self) -> None:
+        """No more writes: the ones under way end, the rest are dropped; returns once the writers
+        have ended (at once in one of the writers' own threads)."""
+        self._stopped = True
+        self._end_queue()
+        me = threading.current_thread()
+        if me is not self._closer and me not in self._writers:
+            for t in self._writers:
+                t.join()
 
     def cancel(self) -> None:
         """The transfer failed: stop writing, wait for the writes under way, remove the file."""
-        self._stopped = True
-        for _ in self._writers:
-            self._q.put(None)
-        for t in self._writers:
-            t.join()
-        self.fetch.abort()
+        self.fetch.abort()  # (stops the writers first)
         self.finished_at = time.perf_counter()
         self._done.set()
 
@@ -508,6 +534,8 @@ class Behind:
                 t.join()
             if self._error is not None:
                 raise self._error
+            if self._stopped:
+                raise RemoteError(f"{self.fetch.final}: the transfer was aborted")
             self.fetch.commit()
         except BaseException as e:
             self._error = self._error or e
