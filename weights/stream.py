@@ -229,6 +229,9 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
     (``PieceVerifier``; no ``verifier``) and then given to ``behind``, the node cache's writes)."""
     n, step = packed.data_bytes, opts.read_bytes
     order = None
+    if fetch is not None and behind is None:
+        raise ValueError("stream_into: a fetch's pieces are written to the node cache through its Behind "
+                         "(Fetch.write_behind)")
     if fetch is not None:
         pieces = fetch.pieces(step)
         step = max(length for _, length in pieces)
