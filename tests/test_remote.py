@@ -604,3 +604,40 @@ def test_pieces_a_dead_transfer_was_reading_are_not_waited_for(tmp_path):
     assert svc.holds("k", "model.cst") == ([0, 1], [])
     svc.announce("k", "model.cst", str(tmp_path / "p"), [0, 1], [2, 3], 11, os.getpid())
     assert svc.holds("k", "model.cst") == ([0, 1], [2, 3])
+
+
+def test_a_peer_whose_piece_the_device_finds_corrupt_is_dropped_and_the_piece_read_elsewhere(served, chunked,
+                                                                                          tmp_path):
+    """The GPU's checks as a transfer from a peer meets them: the peer's piece lands unchecked on
+    the host, the device finds it corrupt, and ``refetch`` drops that peer and reads the piece from
+    the source, checked."""
+    import numpy as np
+
+    from weights.stream import PieceVerifier
+    services, a, b = _two_nodes(served, tmp_path)
+    a.run(threads=2, piece_bytes=CHUNK)  # node a holds the whole file now: b's pieces come from it
+    with open(a.final, "r+b") as fh:  # a's copy damaged after its transfer (a bad disk)
+        fh.seek(a.packed.data_offset + 3 * CHUNK + 10)
+        fh.write(b"\xff\x00\xff")
+    b._refresh(force=True)
+    device = torch.zeros(b.packed.data_bytes, dtype=torch.uint8)
+    host = device.numpy()
+    step = b.piece_step(CHUNK)
+    behind = b.write_behind(lambda: _HostCopy(host, step))
+    checks = PieceVerifier(b.packed, device, device.device, behind)
+    buf = np.empty(step, dtype=np.uint8)
+    for off, length in b.pieces(CHUNK):
+        b.read_into(memoryview(buf), off, length, write=False, check=False)
+        host[off:off + length] = buf[:length]
+        checks.put(off, length)
+    bad = checks.finish()
+    assert bad == [(3 * CHUNK, CHUNK)] and set(b.stats.bytes_from) == {"a"}
+    for off, length in bad:
+        b.refetch(memoryview(buf), off, length)
+        host[off:off + length] = buf[:length]
+        behind.put(off, length)
+    behind.close()
+    assert "a" in b.stats.dropped and "chunk 3" in b.stats.dropped["a"]
+    assert b.stats.bytes_from[served.url + "/tiny"] == CHUNK
+    assert b.cached(60) == b.entry
+    assert (b.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
