@@ -97,6 +97,29 @@ def test_the_weight_only_kernel_cuts_k_for_few_programs_and_reads_a_groups_scale
     assert qk._split_k(1, 64, torch.device("cpu")) == 8
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq", "gptq-act-order", "gptq-v2"])
+@pytest.mark.parametrize("N,K", [(40, 72), (64, 160), (16, 512)])
+def test_interp_dequantize_kernel_equals_the_reference_bit_for_bit(interp, scheme, N, K, dtype):
+    spec = _spec(scheme, N, K)
+    got = interp.dequantize_kernel(spec, dtype)
+    assert got.dtype == dtype and torch.equal(got, interp.dequantize(spec, dtype))
+
+
+def test_interp_a_wide_batch_multiplies_the_kernels_dequantized_weight(interp):
+    """Rows beyond the weight-only kernel's (a prefill): the layer's weight made by the Triton
+    dequantize, then one matmul, where the kernels passed their test."""
+    from deployments.model.quant import base
+    spec = _spec("awq", 64, 160)
+    method = base.QuantMethod.__new__(base.QuantMethod)
+    method.kernels = interp.QuantKernels(weight_only=True)
+    method.spec = lambda layer: spec
+    method.dequantize = lambda layer, dtype: pytest.fail("the torch reference ran")
+    x = torch.randn(interp.WO_MAX_ROWS + 16, 160)
+    torch.testing.assert_close(method.apply(None, x, None), x @ interp.dequantize(spec, torch.float32).t())
+    assert interp.QuantKernels(weight_only=True).describe() == "Triton weight-only (else Triton dequantize + matmul)"
+
+
 def test_interp_wo_matmul_keeps_leading_dims(interp):
     spec = _spec("awq", 16, 64)
     x = torch.randn(2, 3, 64)

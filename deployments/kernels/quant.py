@@ -5,6 +5,9 @@ layer's stored tensors, in the layouts of ``weights.quant``'s docstring):
                     and the CPU's path (dequantize, then matmul: a transient copy of one layer);
 - `wo_matmul`       weight-only Triton matmul for a decode step's rows (batch 1 up to
                     ``WO_MAX_ROWS``): the stored weight read once, dequantized in registers;
+- `dequantize_kernel` `dequantize` in one Triton pass (equal to it bit for bit, no temporaries of
+                    the weight's size): the int4 layers' weight for wider batches and prefill,
+                    multiplied by cuBLAS;
 - `fp8_scaled_mm`   an fp8 tensor-core matmul (``torch._scaled_mm``, Hopper and Ada) for wider
                     batches and prefill: activations quantized per row on the fly, the weight's
                     per-channel (or per-tensor) scale applied by the matmul.
@@ -27,7 +30,7 @@ from deployments.kernels import ops, policy
 from weights.quant import AWQ_ORDER, FP8_MAX
 
 if ops.triton is not None:
-    from deployments.kernels.quant_jit import _wo_matmul_kernel
+    from deployments.kernels.quant_jit import _dequant_kernel, _wo_matmul_kernel
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,10 @@ class QuantKernels:
 
     def describe(self) -> str:
         used = [n for n, on in (("Triton weight-only", self.weight_only), ("fp8 _scaled_mm", self.scaled_mm)) if on]
-        return ", ".join(used) + " (else dequantize + matmul)" if used else "dequantize + matmul"
+        if not used:
+            return "dequantize + matmul"
+        wide = "Triton dequantize + matmul" if self.weight_only else "dequantize + matmul"
+        return ", ".join(used) + f" (else {wide})"
 
 
 def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
@@ -170,6 +176,23 @@ def wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = Non
     return _launch_wo_matmul(x, spec, bias)
 
 
+def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize`'s weight [N, K] in ``dtype`` through one Triton pass (the same fp32 products,
+    rounded once); `dequantize` itself where Triton does not run."""
+    if not ops.available(spec.q.device):
+        return dequantize(spec, dtype)
+    w = torch.empty((spec.n, spec.k), dtype=dtype, device=spec.q.device)
+    _, bn, bk, tile = _wo_blocks(spec)
+    z = spec.z if spec.z is not None else spec.q
+    gi = spec.g_idx if spec.g_idx is not None else spec.q
+    _dequant_kernel[(ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(spec.k, bk))](
+        spec.q, spec.s, z, gi, w, spec.n, spec.k, spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0,
+        z.stride(0) if z.dim() == 2 else 0, max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1),
+        spec.zero_offset, SCHEME=spec.scheme, HAS_GIDX=spec.g_idx is not None, GROUP_TILE=tile,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return w
+
+
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [M, K] as float8_e4m3fn, its per-row scale [M, 1] fp32): dynamic per-token quantisation."""
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
@@ -228,8 +251,9 @@ def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.devic
     where = policy.verdict_dir()
     shapes = sorted((s.scheme, s.n, s.k, s.group, list(s.block), s.g_idx is not None) for s in specs.values())
     t = time.perf_counter()
-    why = policy.kept_test(policy._selftest_path(["quant-wo", shapes, str(dtype)], device, where),
-                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, WO_MAX_ROWS), 2e-2))
+    why = policy.kept_test(policy._selftest_path(["quant-wo", "dequantize", shapes, str(dtype)], device, where),
+                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, WO_MAX_ROWS), 2e-2)
+                           or _test_dequantize(specs, dtype))
     plan.weight_only = why is None
     plan.seconds["quant_kernel_test"] = time.perf_counter() - t
     if why:
@@ -245,6 +269,18 @@ def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.devic
         if why:
             log.warning("fp8 _scaled_mm off (%s): wide batches dequantize, then multiply", why)
     return plan
+
+
+def _test_dequantize(specs: dict[str, WeightSpec], dtype: torch.dtype) -> str | None:
+    """`dequantize_kernel` against `dequantize` on a `synthetic` layer of each spec: equal bit for bit."""
+    try:
+        for name, spec in specs.items():
+            spec = synthetic(spec)
+            if not torch.equal(dequantize_kernel(spec, dtype), dequantize(spec, dtype)):
+                return f"dequantize_kernel on {name} differs from dequantize"
+    except Exception as e:  # noqa: BLE001 - any failure means: don't use the kernel
+        return f"dequantize_kernel: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
 
 
 def _test(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device, fn, rows: tuple[int, ...],

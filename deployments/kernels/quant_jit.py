@@ -1,5 +1,6 @@
-"""The weight-only Triton kernel of quantized projections (``@triton.jit``), defined where Triton
-imports (``triton_jit``'s rule). ``deployments.kernels.quant`` launches it; nothing else does."""
+"""The Triton kernels of quantized projections (``@triton.jit``): the weight-only matmul and the
+one-pass dequantize, defined where Triton imports (``triton_jit``'s rule).
+``deployments.kernels.quant`` launches them; nothing else does."""
 
 from __future__ import annotations
 
@@ -96,3 +97,17 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=out)
+
+    @triton.jit
+    def _dequant_kernel(Q, S, Z, GI, W, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
+                        SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr, GROUP_TILE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # W [N, K] in its dtype: the stored weight's tile dequantized in fp32 and rounded once, as
+        # kernels.quant.dequantize computes it, in one pass (no temporaries of the weight's size).
+        k0 = tl.program_id(1) * BLOCK_K
+        rk = k0 + tl.arange(0, BLOCK_K)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        w = _dequant_tile(Q, S, Z, GI, k0, rk, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
+                          SCHEME, HAS_GIDX, GROUP_TILE)
+        tl.store(W + rn.to(tl.int64)[None, :] * K + rk[:, None], w.to(W.dtype.element_ty),
+                 mask=(rk < K)[:, None] & (rn < N)[None, :])
