@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from deployments.kernels import quant as qk
 from deployments.model.quant import QuantLinear, method_for
@@ -227,6 +228,11 @@ def test_gpu_dequantize_matmul_replays_in_a_graph(scheme):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[-1], want)
+    fast: list[torch.Tensor] = []  # the one-pass Triton dequantize, as a wide step runs it
+    graph = capture_graph(lambda: fast.append(F.linear(x, qk.dequantize_kernel(spec, x.dtype))), "cuda")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(fast[-1], want)
 
 
 @gpu
