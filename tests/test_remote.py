@@ -641,3 +641,18 @@ def test_a_peer_whose_piece_the_device_finds_corrupt_is_dropped_and_the_piece_re
     assert b.stats.bytes_from[served.url + "/tiny"] == CHUNK
     assert b.cached(60) == b.entry
     assert (b.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
+
+
+def test_a_transfer_streamed_without_its_cache_writer_is_refused(served, tmp_path):
+    """``weights.stream.stream_into`` reads a fetch's pieces without writing them: the cache's
+    file is written by its ``Behind``, so a call without one is refused before any read."""
+    from weights.options import LoadOptions
+    from weights.stream import stream_into
+    f = resolve(f"{served.url}/tiny", NodeCache(tmp_path / "cache"))
+    assert isinstance(f, Fetch)
+    buffer = torch.empty(f.packed.data_bytes, dtype=torch.uint8)
+    sent = served.stats()["weights_sent"]  # (the header, read by resolve)
+    with pytest.raises(ValueError, match="through its Behind"):
+        stream_into(f.packed, buffer, buffer.device, LoadOptions(), None, None, f)
+    assert served.stats()["weights_sent"] == sent
+    f.abort()
