@@ -120,6 +120,18 @@ def _wo_blocks(spec: WeightSpec) -> tuple[int, int, int, bool]:
     return 16, 32, min(bk, spec.group) if tile else bk, tile
 
 
+def _stored(spec: WeightSpec, tile: bool) -> tuple[tuple, tuple, dict]:
+    """How both kernels take a layer's stored weight: its tensors (Q, S, Z, GI; a scheme without
+    zero points or g_idx passes Q there, never read), its layout's scalars (stride_q, stride_s,
+    stride_z, group, bn, bk, zero_offset) and its constexprs."""
+    z = spec.z if spec.z is not None else spec.q
+    gi = spec.g_idx if spec.g_idx is not None else spec.q
+    layout = (spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0, z.stride(0) if z.dim() == 2 else 0,
+              max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1), spec.zero_offset)
+    return (spec.q, spec.s, z, gi), layout, {"SCHEME": spec.scheme, "HAS_GIDX": spec.g_idx is not None,
+                                             "GROUP_TILE": tile}
+
+
 _SMS: dict[int, int] = {}
 
 
@@ -151,14 +163,10 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
         y = torch.empty((split, M, spec.n), dtype=torch.float32, device=x.device)
     else:
         y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
-    z = spec.z if spec.z is not None else spec.q
-    gi = spec.g_idx if spec.g_idx is not None else spec.q
+    tensors, layout, consts = _stored(spec, tile)
     _wo_matmul_kernel[(grid_n, grid_m, split)](
-        x2, spec.q, spec.s, z, gi, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0),
-        y.stride(-2), spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0,
-        z.stride(0) if z.dim() == 2 else 0, max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1),
-        spec.zero_offset, k_split, SCHEME=spec.scheme, HAS_GIDX=spec.g_idx is not None, HAS_BIAS=bias is not None,
-        GROUP_TILE=tile, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        x2, *tensors, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0), y.stride(-2), *layout,
+        k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     if split > 1:
         y = y.sum(0)
         if bias is not None:
@@ -183,13 +191,9 @@ def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(spec, dtype)
     w = torch.empty((spec.n, spec.k), dtype=dtype, device=spec.q.device)
     _, bn, bk, tile = _wo_blocks(spec)
-    z = spec.z if spec.z is not None else spec.q
-    gi = spec.g_idx if spec.g_idx is not None else spec.q
+    tensors, layout, consts = _stored(spec, tile)
     _dequant_kernel[(ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(spec.k, bk))](
-        spec.q, spec.s, z, gi, w, spec.n, spec.k, spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0,
-        z.stride(0) if z.dim() == 2 else 0, max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1),
-        spec.zero_offset, SCHEME=spec.scheme, HAS_GIDX=spec.g_idx is not None, GROUP_TILE=tile,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        *tensors, w, spec.n, spec.k, *layout, **consts, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return w
 
 
