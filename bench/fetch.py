@@ -133,7 +133,7 @@ def load_remote(uri: str, cache_dir: Path) -> dict:
     if isinstance(f, Fetch):
         # on a GPU the cache's file is written behind the device's copies: when it is whole too
         f.cached(600)
-        cached = (f.behind.finished_at if f.behind is not None else time.perf_counter()) - t0
+        cached = f.committed_at - t0
         out["cached_s"], out["cached_GBps"] = cached, m.packed.data_bytes / cached / 1e9
         out["busy_s"] = dict(f.stats.busy_s)  # the threads' busy seconds by step (which one limits it)
     del m
@@ -335,7 +335,7 @@ def _remote_fns():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         f.cached(600)
-        cached = (f.behind.finished_at if f.behind is not None else time.perf_counter()) - t0
+        cached = f.committed_at - t0
         return {"wall_s": wall, "GBps": m.packed.data_bytes / wall / 1e9, "cached_s": cached,
                 "cached_GBps": m.packed.data_bytes / cached / 1e9, "bytes_from": f.stats.bytes_from,
                 "dropped": f.stats.dropped, "busy_s": f.stats.busy_s,

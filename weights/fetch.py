@@ -138,6 +138,7 @@ class Fetch:
         self._ending = threading.Lock()  # commit and abort, one at a time
         self._landed: set[int] = set()
         self.behind: Behind | None = None
+        self.committed_at: float | None = None  # perf_counter() when the file took its name
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _allocate(self.fd, packed.file_bytes, self.tmp)
@@ -399,6 +400,7 @@ class Fetch:
                 self._end()
                 raise
             self._closed = True
+            self.committed_at = time.perf_counter()
         self.cache.touch(self.entry)
         log.info("%s: %.2f GB in the node cache at %s (%s)", self.rel, self.packed.file_bytes / 1e9, self.final,
                  ", ".join(f"{k}: {v / 1e9:.2f} GB" for k, v in self.stats.bytes_from.items()))
@@ -467,7 +469,6 @@ class Behind:
         self._queue_lock = threading.Lock()
         self._queue_ended = False  # the writers' end marks are queued
         self._done = threading.Event()
-        self.finished_at = 0.0  # perf_counter() when the file was committed or aborted
         self._writers = [threading.Thread(target=self._write, args=(copier,), name=f"coldstart-cache-{k}")
                          for k in range(threads)]
         for t in self._writers:
@@ -525,7 +526,6 @@ class Behind:
     def cancel(self) -> None:
         """The transfer failed: stop writing, wait for the writes under way, remove the file."""
         self.fetch.abort()  # (stops the writers first)
-        self.finished_at = time.perf_counter()
         self._done.set()
 
     def _finish(self) -> None:
@@ -543,7 +543,6 @@ class Behind:
             log.warning("%s: not kept in the node cache (%s); the loaded model is unaffected, and the node's "
                         "next replica fetches it again", self.fetch.final, e)
         finally:
-            self.finished_at = time.perf_counter()
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> None:
