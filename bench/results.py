@@ -265,18 +265,15 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
             pipe = [r["pipeline"]["GBps"] for r in src["rounds"]]
             rows.append((f"{tag}a remote 7B from a local S3-speaking source: plain ranged reads (obstore, 16 at "
                          "once)", _each(raw, 2, "GB/s")))
+            # (the cache's writes behind the device's copies: two moments; before, one)
             cached = [r for r in src["rounds"] if "cached_ratio" in r]
-            if cached:  # (the cache's writes behind the device's copies: two moments)
-                rows.append((f"{tag}the same model loaded into the GPU, every piece checked",
-                             f"**{_each(pipe, 2, 'GB/s')}** ({_each([r['ratio'] for r in src['rounds']], 2)} of "
-                             "the plain reads)"))
+            rows.append((f"{tag}the same model loaded into the GPU{'' if cached else ' and the node cache'}, every "
+                         "piece checked", f"**{_each(pipe, 2, 'GB/s')}** ({_each([r['ratio'] for r in src['rounds']], 2)}"
+                         " of the plain reads)"))
+            if cached:
                 rows.append((f"{tag}... and the node cache's copy whole (written behind the GPU's copies)",
                              f"{_each([r['pipeline']['cached_GBps'] for r in cached], 2, 'GB/s')} "
                              f"({_each([r['cached_ratio'] for r in cached], 2)} of the plain reads)"))
-            else:
-                rows.append((f"{tag}the same model loaded into the GPU and the node cache, every piece checked",
-                             f"**{_each(pipe, 2, 'GB/s')}** ({_each([r['ratio'] for r in src['rounds']], 2)} of "
-                             "the plain reads)"))
             rows.append((f"{tag}the next load, from the node's copy; the packed directory",
                          f"{_num(src['node_copy']['GBps'])} GB/s; {_num(src['local_packed']['GBps'])} GB/s"))
         if "pipeline" in f and "writes" in f:  # bench/transfer_steps.py: each step of a piece apart

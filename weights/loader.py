@@ -372,7 +372,8 @@ def _start_cuda(packed: PackedFile, dev: torch.device, opts: LoadOptions,
 def _fetch_work(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opts: LoadOptions,
                 timer: PhaseTimer, fetch: Fetch) -> None:
     """A remote model's bytes into the device buffer and the node cache: the cold settings' threads,
-    pieces of whole chunks (each checked as it lands, so no device verifier); the cache's writes go
+    pieces of whole chunks (each checked on the device as it lands, ``stream.PieceVerifier``, so no
+    ``DeviceVerifier``); the cache's writes go
     on behind the copies (``weights.fetch.Behind``) and may end after this returns
     (``Fetch.cached``); any failure of the transfer removes the cache's file."""
     torch.cuda.set_device(dev)
