@@ -296,13 +296,14 @@ class _HostCopy:
         self.views = []
 
 
-def _load_behind(fetch: Fetch, device, threads: int = 3, after=None):
+def _load_behind(fetch: Fetch, device, threads: int = 3, after=None, copy=_HostCopy):
     """What a GPU's load does with a transfer (``weights.stream.stream_into`` with a ``Behind``),
     into a host array: each piece read and checked without writing, put on the "device", handed to
-    the writers; ``after(off, length)`` runs once a piece is on the device."""
+    the writers (each with a ``copy`` of its own); ``after(off, length)`` runs once a piece is on
+    the device."""
     import numpy as np
     step = fetch.piece_step(CHUNK)
-    behind = fetch.write_behind(lambda: _HostCopy(device, step), threads)
+    behind = fetch.write_behind(lambda: copy(device, step), threads)
     buf = np.empty(step, dtype=np.uint8)
     try:
         for off, length in fetch.pieces(CHUNK):
@@ -316,6 +317,36 @@ def _load_behind(fetch: Fetch, device, threads: int = 3, after=None):
         raise
     behind.close()
     return behind
+
+
+def _checked_on_device(fetch: Fetch):
+    """The GPU's way with a transfer (``stream_into``: a ``PieceVerifier`` and a ``Behind``) over a
+    CPU tensor: each piece read unchecked, put on the "device" and checked there, the good ones
+    handed to the writers. Returns the pieces found bad, and ``again()``, what the loader's thread
+    then does: each fetched again (``Fetch.refetch``), put on the device and handed on; the
+    writers closed."""
+    import numpy as np
+
+    from weights.stream import PieceVerifier
+    device = torch.zeros(fetch.packed.data_bytes, dtype=torch.uint8)
+    host = device.numpy()  # (the same memory)
+    step = fetch.piece_step(CHUNK)
+    behind = fetch.write_behind(lambda: _HostCopy(host, step))
+    checks = PieceVerifier(fetch.packed, device, device.device, behind)
+    buf = np.empty(step, dtype=np.uint8)
+    for off, length in fetch.pieces(CHUNK):
+        fetch.read_into(memoryview(buf), off, length, write=False, check=False)
+        host[off:off + length] = buf[:length]
+        checks.put(off, length)
+    bad = checks.finish()
+
+    def again() -> None:
+        for off, length in bad:
+            fetch.refetch(memoryview(buf), off, length)
+            host[off:off + length] = buf[:length]
+            behind.put(off, length)
+        behind.close()
+    return bad, again
 
 
 def test_writes_behind_the_device_make_the_sources_file_and_free_the_entry(served, chunked, tmp_path):
@@ -336,31 +367,14 @@ def test_a_piece_the_device_finds_corrupt_is_fetched_again_and_the_cache_gets_go
     """The GPU's way with a transfer: the readers only read, each piece is checked where it landed
     (``weights.stream.PieceVerifier``, here over a CPU tensor) before the cache's writes get it, and
     a corrupt one is fetched again, checked on the host (``Fetch.refetch``)."""
-    import numpy as np
-
-    from weights.stream import PieceVerifier
     cache = NodeCache(tmp_path / "cache")
     f = resolve(f"{served.url}/tiny", cache)
     assert isinstance(f, Fetch)
-    device = torch.zeros(f.packed.data_bytes, dtype=torch.uint8)
-    host = device.numpy()  # (the same memory)
-    step = f.piece_step(CHUNK)
-    behind = f.write_behind(lambda: _HostCopy(host, step))
-    checks = PieceVerifier(f.packed, device, device.device, behind)
-    buf = np.empty(step, dtype=np.uint8)
     served.fault(corrupt=1)  # the next answer carries a changed byte: unchecked on the host
-    for off, length in f.pieces(CHUNK):
-        f.read_into(memoryview(buf), off, length, write=False, check=False)
-        host[off:off + length] = buf[:length]
-        checks.put(off, length)
-    bad = checks.finish()
+    bad, again = _checked_on_device(f)
     assert len(bad) == 1 and not (f.entry / "model.cst").exists()
     with caplog.at_level("WARNING", logger="weights.fetch"):
-        for off, length in bad:
-            f.refetch(memoryview(buf), off, length)
-            host[off:off + length] = buf[:length]
-            behind.put(off, length)
-    behind.close()
+        again()
     assert "found on the device: fetched again" in caplog.text
     assert f.cached(60) == f.entry
     assert (f.entry / "model.cst").read_bytes() == (chunked / "model.cst").read_bytes()
@@ -419,14 +433,7 @@ def test_an_abort_while_writes_are_behind_waits_for_them_and_keeps_nothing(serve
             inside.set()
             gate.wait(30)
             super().copy_back(s, off, length)
-    step = f.piece_step(CHUNK)
-    behind = f.write_behind(lambda: Held(device, step), 2)
-    buf = np.empty(step, dtype=np.uint8)
-    for off, length in f.pieces(CHUNK):
-        f.read_into(memoryview(buf), off, length, write=False)
-        device[off:off + length] = buf[:length]
-        behind.put(off, length)
-    behind.close()
+    _load_behind(f, device, 2, copy=Held)
     assert inside.wait(30)
     aborting = threading.Thread(target=f.abort)
     aborting.start()
@@ -611,32 +618,15 @@ def test_a_peer_whose_piece_the_device_finds_corrupt_is_dropped_and_the_piece_re
     """The GPU's checks as a transfer from a peer meets them: the peer's piece lands unchecked on
     the host, the device finds it corrupt, and ``refetch`` drops that peer and reads the piece from
     the source, checked."""
-    import numpy as np
-
-    from weights.stream import PieceVerifier
     services, a, b = _two_nodes(served, tmp_path)
     a.run(threads=2, piece_bytes=CHUNK)  # node a holds the whole file now: b's pieces come from it
     with open(a.final, "r+b") as fh:  # a's copy damaged after its transfer (a bad disk)
         fh.seek(a.packed.data_offset + 3 * CHUNK + 10)
         fh.write(b"\xff\x00\xff")
     b._refresh(force=True)
-    device = torch.zeros(b.packed.data_bytes, dtype=torch.uint8)
-    host = device.numpy()
-    step = b.piece_step(CHUNK)
-    behind = b.write_behind(lambda: _HostCopy(host, step))
-    checks = PieceVerifier(b.packed, device, device.device, behind)
-    buf = np.empty(step, dtype=np.uint8)
-    for off, length in b.pieces(CHUNK):
-        b.read_into(memoryview(buf), off, length, write=False, check=False)
-        host[off:off + length] = buf[:length]
-        checks.put(off, length)
-    bad = checks.finish()
+    bad, again = _checked_on_device(b)
     assert bad == [(3 * CHUNK, CHUNK)] and set(b.stats.bytes_from) == {"a"}
-    for off, length in bad:
-        b.refetch(memoryview(buf), off, length)
-        host[off:off + length] = buf[:length]
-        behind.put(off, length)
-    behind.close()
+    again()
     assert "a" in b.stats.dropped and "chunk 3" in b.stats.dropped["a"]
     assert b.stats.bytes_from[served.url + "/tiny"] == CHUNK
     assert b.cached(60) == b.entry
