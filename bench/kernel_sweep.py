@@ -7,7 +7,9 @@ Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
 where it is off; and the attention over a paged cache (block sizes 16 and 32, through a
 shuffled block table) beside the same keys in the static cache; and a 128-row decode step's
-parts (``--only wide``). Each figure is one CUDA
+parts (``--only wide``); and the quantized layers' weight-only kernel (``--only quant``:
+AWQ and GPTQ int4, fp8 per channel, at 1 and 16 rows, `kernels.quant.WoBlocks` variants)
+against cuBLAS on the fp16 weight. Each figure is one CUDA
 graph over 32 distinct weight matrices / KV caches (one per layer, so the L2 cache does not
 hold them), the best of 5 replays. Random fp16 data; nothing is loaded. Prints and writes
 the best block sizes.
@@ -261,10 +263,75 @@ def sweep_wide(dtype: torch.dtype, B: int = 128) -> dict:
     return out
 
 
+QUANT_SHAPES = [("qkv_o", 4096, 4096), ("gate_up", 11008, 4096), ("down", 4096, 11008)]
+QUANT_COPIES = 32  # distinct layers per graph, as many as the 7B has (the L2 cache holds none)
+
+
+def _quant_layer(scheme: str, N: int, K: int, seed: int):
+    from deployments.kernels import quant as qk
+    d, G = "cuda", 128
+    if scheme == "fp8":
+        t = qk.WeightSpec(qk.FP8_CHANNEL, N, K, torch.empty(N, K, device=d, dtype=torch.float8_e4m3fn),
+                          torch.empty(N, 1, device=d))
+    elif scheme == "awq":
+        t = qk.WeightSpec(qk.AWQ, N, K, torch.empty(K, N // 8, device=d, dtype=torch.int32),
+                          torch.empty(K // G, N, device=d, dtype=torch.float16),
+                          torch.empty(K // G, N // 8, device=d, dtype=torch.int32), group=G)
+    else:
+        t = qk.WeightSpec(qk.GPTQ, N, K, torch.empty(K // 8, N, device=d, dtype=torch.int32),
+                          torch.empty(K // G, N, device=d, dtype=torch.float16),
+                          torch.empty(K // G, N // 8, device=d, dtype=torch.int32), group=G, zero_offset=1)
+    return qk.synthetic(t, seed)
+
+
+def sweep_quant(dtype: torch.dtype) -> dict:
+    """Each scheme and 7B projection shape at 1 and 16 rows: cuBLAS on the fp16 weight, and the
+    weight-only kernel under each `WoBlocks` variant (the default first; at 16 rows the default
+    alone, and AWQ's words loaded per column), over QUANT_COPIES layers."""
+    from deployments.kernels import quant as qk
+    out: dict = {}
+    for scheme in ("awq", "fp8", "gptq"):
+        for name, N, K in QUANT_SHAPES:
+            specs = [_quant_layer(scheme, N, K, i) for i in range(QUANT_COPIES)]
+            base = qk._wo_blocks(specs[0])
+            variants = [base] + ([base._replace(words=False)] if scheme == "awq" else [])
+            for bn in (32, 64):
+                for bk in (64, 128):
+                    for stages in (None, 2):
+                        for words in ((True, False) if scheme == "awq" else (True,)):
+                            b = base._replace(n=bn, k=min(bk, base.k) if base.tile else bk, stages=stages,
+                                              words=words)
+                            if b not in variants:
+                                variants.append(b)
+            variants += [base._replace(n=128), base._replace(warps=8)]
+            w16 = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(4)]
+            for m in (1, 16):
+                x = torch.randn(m, K, device="cuda", dtype=dtype)
+                want = F.linear(x.float(), qk.dequantize(specs[0], torch.float32))
+                r = {"scheme": scheme, "N": N, "K": K, "rows": m,
+                     "cublas_fp16_ms": graph_ms(lambda: [F.linear(x, w) for w in w16]) / len(w16)}
+                rows, best = try_configs(
+                    variants if m == 1 else variants[:1 + (scheme == "awq")], lambda b: {"blocks": b._asdict()}, lambda b: qk._launch_wo_matmul(x, specs[0], None, b),
+                    lambda b: [qk._launch_wo_matmul(x, s, None, b) for s in specs], want)
+                for row in rows:
+                    if "ms" in row:
+                        row["ms"] /= QUANT_COPIES
+                best = min((row for row in rows if "ms" in row), key=lambda row: row["ms"])
+                r.update(variants=rows, default_ms=rows[0].get("ms"), best=best)
+                print(f"quant {scheme:4s} {name:7s} {N:5d}x{K:<5d} rows {m:2d}: cuBLAS fp16 "
+                      f"{r['cublas_fp16_ms'] * 1e3:6.1f} us | default {(r['default_ms'] or 0) * 1e3:6.1f} us | best "
+                      f"{best['ms'] * 1e3:6.1f} us {best['blocks']}", flush=True)
+                out[f"{scheme}-{name}-m{m}"] = r
+            specs.clear()
+            w16.clear()
+            torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", choices=["gemv", "attention", "paged", "wide"])
+    ap.add_argument("--only", choices=["gemv", "attention", "paged", "wide", "quant"])
     a = ap.parse_args()
     if not ops.available("cuda"):
         sys.exit("needs CUDA and Triton")
@@ -279,6 +346,8 @@ def main() -> None:
         res["paged_attention"] = sweep_paged_attention(torch.float16)
     if a.only in (None, "wide"):
         res["wide"] = sweep_wide(torch.float16)
+    if a.only in (None, "quant"):
+        res["quant"] = sweep_quant(torch.float16)
     res["seconds"] = time.perf_counter() - t0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(stamp(res), indent=1))

@@ -6,7 +6,8 @@ source that is not S3 (``https://host/path`` models) and a wire that changes or 
 Control (JSON, POST /_fault): {"corrupt": N} flips one byte in the next N answers that carry data
 of a model.cst's data region; {"corrupt": -1} in every one; {"die_after": BYTES} ends the process
 once that many bytes of model.cst have been sent (mid-answer: the source vanishes); {"delay_s": S}
-waits S seconds before each ranged answer. GET /_stats: bytes sent per file.
+waits S seconds before each ranged answer; {"ignore_range": true} answers every GET with the whole
+file (200), as a server without range requests does. GET /_stats: bytes sent per file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
-STATE = {"corrupt": 0, "die_after": None, "delay_s": 0.0, "sent": {}, "weights_sent": 0}
+STATE = {"corrupt": 0, "die_after": None, "delay_s": 0.0, "ignore_range": False, "sent": {}, "weights_sent": 0}
 LOCK = threading.Lock()
 
 
@@ -43,7 +44,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(404, {"error": "no such path"})
         doc = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         with LOCK:
-            STATE.update({k: v for k, v in doc.items() if k in ("corrupt", "die_after", "delay_s")})
+            STATE.update({k: v for k, v in doc.items() if k in ("corrupt", "die_after", "delay_s", "ignore_range")})
         self._json(200, {"ok": True})
 
     def _file(self) -> Path | None:
@@ -80,7 +81,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         size = p.stat().st_size
         lo, hi = 0, size - 1
-        rng = self.headers.get("Range")
+        rng = None if STATE["ignore_range"] else self.headers.get("Range")
         if rng and rng.startswith("bytes="):
             a, _, b = rng[6:].partition("-")
             lo = int(a) if a else size - int(b)

@@ -473,7 +473,9 @@ def test_pieces_checked_but_not_yet_written_are_told_to_peers_as_coming(served, 
 
 
 def test_a_refused_credential_names_the_source_never_the_secret(chunked, tmp_path, monkeypatch):
-    """moto with its IAM checks on: the right key reads, a wrong secret gets the server's 403."""
+    """moto with its IAM checks on: the right key reads, a wrong secret gets the server's 403. (moto
+    in this mode fails every GET by signed URL: the ranged reads fall back to obstore's own
+    requests, as they do where a bucket's policy allows signed headers only.)"""
     import json
     import urllib.request
 
@@ -497,6 +499,31 @@ def test_a_refused_credential_names_the_source_never_the_secret(chunked, tmp_pat
         assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
         assert _same(load("s3://locked/tiny", "cpu", cache=cache), load(chunked, "cpu"))
+
+
+def test_ranged_reads_land_in_the_callers_buffer_and_outlive_a_closed_connection(served, chunked):
+    """The reads a transfer makes (straight into its staging memory, over one kept connection per
+    thread): the file's bytes at any offset; a connection the server closed in between (here: the
+    server restarted) is opened again, not reported as a failure."""
+    from weights.remote import Origin
+    origin = Origin(f"{served.url}/tiny")
+    data = (chunked / "model.cst").read_bytes()
+    buf = bytearray(3 * 4096)
+    origin.read_into("model.cst", 4096, memoryview(buf))
+    assert buf == data[4096:4 * 4096]
+    served.stop()
+    served.start()
+    view = memoryview(buf)[:5000]
+    origin.read_into("model.cst", len(data) - 5000, view)
+    assert bytes(view) == data[-5000:]
+
+
+def test_a_source_that_ignores_ranges_is_refused_naming_it(served, tmp_path):
+    served.fault(ignore_range=True)
+    cache = NodeCache(tmp_path / "cache")
+    with pytest.raises(RemoteError, match=r"tiny/model.cst: .*ignores range requests"):
+        load(f"{served.url}/tiny", "cpu", cache=cache)
+    assert not list(cache.root.rglob("model.cst")) and not no_partials(cache.root)
 
 
 def test_a_source_slower_than_the_timeout_fails_saying_so(served, tmp_path):

@@ -10,9 +10,15 @@ The files under it are the directory's own, by the same relative names (``model.
 ``config.json``, ``kernels/...``, ``tp.json`` and ``rank-K/model.cst`` for a split pack), so
 ``coldstart push DIR URI`` is a copy and a copy made by any other tool serves as well.
 
-Reads go through obstore (Rust's ``object_store``): ranged GETs that release the GIL while they
-wait, so many run in parallel from threads. Credentials come from wherever that library looks for
-them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+Reads go through obstore (Rust's ``object_store``), which holds the credentials, signs and
+answers every request but one kind: a big file's ranged GETs, the bulk of a transfer, are read
+by the standard library's HTTP client straight into the caller's buffer (a pinned staging slot),
+from a URL obstore signs (``obstore.sign``; a plain HTTP(S) model's own URL). obstore returns
+each answer as a new buffer of its own, which a reader then copies: on a host where the source
+is fast that copy, and the fresh pages under it, cost the transfer more than the reads
+(``_Direct``). Where obstore cannot sign (a store or credential without signing), or a proxy is
+set for the host, its own ranged GETs read (and the copy stays). Credentials come from wherever
+that library looks for them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``,
 web identity, the instance's role; ``GOOGLE_APPLICATION_CREDENTIALS``), never from coldstart's
 own configuration, and a URI that carries a secret (``user:password@``, ``?X-Amz-...``) is refused.
 Messages name the URI and the file, never a credential.
@@ -20,14 +26,20 @@ Messages name the URI and the file, never a credential.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import re
+import socket
+import ssl
+import threading
+import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
-from urllib.parse import urlsplit
+from typing import Any, Callable, Iterator
+from urllib.parse import SplitResult, urlsplit
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +107,7 @@ class Origin:
         self.name = self.uri
         self.timeouts = timeouts
         self._store = _open_store(self.uri, timeouts)
+        self._direct = _Direct.make(self.uri, self._store, timeouts)
 
     def __repr__(self) -> str:
         return f"Origin({self.uri})"
@@ -138,6 +151,8 @@ class Origin:
 
     def read_into(self, rel: str, offset: int, view: memoryview) -> None:
         """Fill ``view`` with the file's bytes from ``offset``; a short answer is an error."""
+        if self._direct is not None and self._direct.read_into(rel, offset, view, self._fail):
+            return
         import obstore
         n = len(view)
         try:
@@ -169,6 +184,155 @@ class Origin:
             obstore.put(self._store, rel, path)
         except Exception as e:
             raise self._fail(rel, e, "PUT") from None
+
+
+class _HTTPStatus(OSError):
+    """A ranged GET answered with a status other than the range (the message keeps no URL)."""
+
+    def __init__(self, status: int, reason: str):
+        super().__init__(f"{status} {reason}")
+        self.status = status
+
+
+class _Direct:
+    """An origin's ranged GETs read straight into the caller's buffer: ``http.client``'s
+    ``readinto`` receives the socket's bytes where they are wanted. One keep-alive connection per
+    reader thread and host; a signed URL per file, signed again before it expires. The URL's query
+    (its signature) appears in no message."""
+
+    SIGNED_FOR = timedelta(hours=1)
+    RESIGN_AFTER_S = 1800.0
+
+    def __init__(self, uri: str, store: Any, timeouts: Timeouts):
+        self.uri, self.store, self.timeouts = uri, store, timeouts
+        self.usable = True  # False once a URL could not be signed or was refused: obstore's GETs read
+        self._signed = urlsplit(uri).scheme not in ("http", "https")
+        self._urls: dict[str, tuple[float, SplitResult]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._tls: ssl.SSLContext | None = None
+
+    @classmethod
+    def make(cls, uri: str, store: Any, timeouts: Timeouts) -> "_Direct | None":
+        """None where a proxy is set for the source's host (obstore's client goes through it)."""
+        host = urlsplit(uri).hostname or ""
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") if urlsplit(uri).scheme == "s3" else None
+        if endpoint:
+            host = urlsplit(endpoint).hostname or host
+        proxies = urllib.request.getproxies()
+        if proxies and not urllib.request.proxy_bypass(host):
+            return None
+        return cls(uri, store, timeouts)
+
+    def _url(self, rel: str) -> SplitResult | None:
+        now = time.monotonic()
+        with self._lock:
+            got = self._urls.get(rel)
+            if got is not None and now - got[0] < self.RESIGN_AFTER_S:
+                return got[1]
+        if self._signed:
+            import obstore
+            try:
+                url = urlsplit(obstore.sign(self.store, "GET", rel, self.SIGNED_FOR))
+            except Exception as e:  # noqa: BLE001 - a store or credential that cannot sign: obstore reads
+                log.debug("%s: obstore cannot sign a GET (%s); its own ranged GETs read", self.uri, _short(e))
+                self.usable = False
+                return None
+        else:
+            url = urlsplit(f"{self.uri}/{rel}")
+        with self._lock:
+            self._urls[rel] = (now, url)
+        return url
+
+    def _connection(self, url: SplitResult) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the URL's host, and whether it served a request before."""
+        conns = self._local.__dict__.setdefault("conns", {})
+        key = (url.scheme, url.hostname, url.port)
+        conn = conns.get(key)
+        if conn is not None:
+            return conn, True
+        if url.scheme == "https":
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            conn = http.client.HTTPSConnection(url.hostname, url.port, timeout=self.timeouts.connect_s,
+                                               context=self._tls)
+        else:
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=self.timeouts.connect_s)
+        conn.connect()
+        conn.sock.settimeout(self.timeouts.request_s)
+        conns[key] = conn
+        return conn, False
+
+    def _forget(self, url: SplitResult) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop((url.scheme, url.hostname, url.port), None)
+        if conn is not None:
+            conn.close()
+
+    def read_into(self, rel: str, offset: int, view: memoryview,
+                  fail: Callable[[str, BaseException, str], RemoteError]) -> bool:
+        """Fill ``view`` with ``rel``'s bytes from ``offset`` (``fail`` makes the error, as
+        ``Origin``'s own); False where obstore cannot sign or the source refused the signed URL
+        (the caller reads through obstore)."""
+        url = self._url(rel) if self.usable else None
+        if url is None:
+            return False
+        n = len(view)
+        what = f"ranged GET of bytes {offset}..{offset + n}"
+        for attempt in (0, 1):
+            reused = False
+            try:
+                conn, reused = self._connection(url)
+                self._get(conn, url, rel, offset, view)
+                return True
+            except _HTTPStatus as e:
+                # refused or failed as a signed URL (a bucket policy may allow only signed headers; a
+                # server may not take them): obstore's own requests read this origin from now on,
+                # and answer for the file (its errors name what went wrong)
+                self._forget(url)
+                self.usable = False
+                log.info("%s/%s: a GET by signed URL was answered %s; obstore's own requests read from now on",
+                         self.uri, rel, e)
+                return False
+            except RemoteError:
+                self._forget(url)
+                raise
+            except (OSError, http.client.HTTPException) as e:
+                self._forget(url)
+                # a kept-alive connection the server had closed fails at once: asked again on a new one
+                if attempt == 0 and reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionError)):
+                    continue
+                if isinstance(e, socket.timeout):
+                    e = TimeoutError(f"no answer within {self.timeouts.request_s:g} s")
+                raise fail(rel, e, what) from None
+
+    def _get(self, conn: http.client.HTTPConnection, url: SplitResult, rel: str, offset: int,
+             view: memoryview) -> None:
+        n = len(view)
+        t0 = time.monotonic()
+        conn.request("GET", url.path + (f"?{url.query}" if url.query else ""),
+                     headers={"Range": f"bytes={offset}-{offset + n - 1}"})
+        resp = conn.getresponse()
+        if resp.status not in (200, 206):
+            resp.read(1 << 16)
+            raise _HTTPStatus(resp.status, resp.reason)
+        whole = resp.status == 200  # a server that ignores ranges: the file from its start
+        start = 0 if whole else int((resp.getheader("Content-Range") or "bytes -1-").split()[1].split("-")[0])
+        if start != offset or (resp.length is not None and resp.length < n):
+            raise RemoteError(f"{self.uri}/{rel}: asked for {n} bytes at {offset}, the answer holds "
+                              f"{resp.length} from {start}: the file changed or was truncated at the "
+                              "source, or it ignores range requests; push it again")
+        got = 0
+        while got < n:
+            k = resp.readinto(view[got:])
+            if not k:
+                raise RemoteError(f"{self.uri}/{rel}: the answer to bytes {offset}..{offset + n} ended after "
+                                  f"{got}: the source closed the connection or the file was truncated")
+            got += k
+            if time.monotonic() - t0 > self.timeouts.request_s:
+                raise socket.timeout()
+        if whole or resp.length:
+            conn.close()  # (the rest of a whole file is not read; the connection is done)
+            self._forget(url)
 
 
 def copy_into(view: memoryview, src: memoryview) -> None:

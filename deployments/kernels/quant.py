@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -110,26 +111,40 @@ def _ref_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None)
     return F.linear(x, dequantize(spec, x.dtype), bias)
 
 
-def _wo_blocks(spec: WeightSpec) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_TILE): 16 rows (the tensor cores' least), narrow column
-    tiles so that a 4096-wide layer spreads over 128 programs; for int4 groups of a power of two
-    (no act-order), tiles no taller than a group, so that each reads one row of scales and zero
-    points instead of one per element."""
+class WoBlocks(NamedTuple):
+    """How the weight-only kernel tiles a layer (and the one-pass dequantize: n, k, tile, words)."""
+
+    m: int  # BLOCK_M: rows of x per program (16: the tensor cores' least)
+    n: int  # BLOCK_N: output columns per program
+    k: int  # BLOCK_K: input rows per step
+    tile: bool  # GROUP_TILE: a step's rows lie in one int4 group (one row of scales and zero points)
+    words: bool = True  # AWQ_WORDS: AWQ words loaded once each, spread over their columns in registers
+    warps: int = 4
+    stages: int | None = None  # Triton's software pipelining depth (None: its default)
+
+
+def _wo_blocks(spec: WeightSpec) -> WoBlocks:
+    """16 rows (the tensor cores' least), narrow column tiles so that a 4096-wide layer spreads
+    over 128 programs; for int4 groups of a power of two (no act-order), steps no taller than a
+    group, so that each reads one row of scales and zero points instead of one per element."""
     bk = max(16, min(128, 1 << (spec.k - 1).bit_length()))
     tile = spec.scheme in (AWQ, GPTQ) and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
-    return 16, 32, min(bk, spec.group) if tile else bk, tile
+    return WoBlocks(16, 32, min(bk, spec.group) if tile else bk, tile)
 
 
-def _stored(spec: WeightSpec, tile: bool) -> tuple[tuple, tuple, dict]:
+def _stored(spec: WeightSpec, b: WoBlocks) -> tuple[tuple, tuple, dict]:
     """How both kernels take a layer's stored weight: its tensors (Q, S, Z, GI; a scheme without
     zero points or g_idx passes Q there, never read), its layout's scalars (stride_q, stride_s,
-    stride_z, group, bn, bk, zero_offset) and its constexprs."""
+    stride_z, group, bn, bk, zero_offset) and its constexprs (with ``b``'s launch options)."""
     z = spec.z if spec.z is not None else spec.q
     gi = spec.g_idx if spec.g_idx is not None else spec.q
     layout = (spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0, z.stride(0) if z.dim() == 2 else 0,
               max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1), spec.zero_offset)
-    return (spec.q, spec.s, z, gi), layout, {"SCHEME": spec.scheme, "HAS_GIDX": spec.g_idx is not None,
-                                             "GROUP_TILE": tile}
+    consts = {"SCHEME": spec.scheme, "HAS_GIDX": spec.g_idx is not None, "GROUP_TILE": b.tile,
+              "AWQ_WORDS": b.words, "BLOCK_N": b.n, "BLOCK_K": b.k, "num_warps": b.warps}
+    if b.stages is not None:
+        consts["num_stages"] = b.stages
+    return (spec.q, spec.s, z, gi), layout, consts
 
 
 _SMS: dict[int, int] = {}
@@ -149,12 +164,14 @@ def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:
     return max(1, min(16, 4 * sms // programs, k_tiles // 2))
 
 
-def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None,
+                      blocks: WoBlocks | None = None) -> torch.Tensor:
     x2 = x.reshape(-1, spec.k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    bm, bn, bk, tile = _wo_blocks(spec)
+    b = blocks or _wo_blocks(spec)
+    bm, bn, bk = b.m, b.n, b.k
     grid_n, grid_m, k_tiles = ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(M, bm), ops.triton.cdiv(spec.k, bk)
     split = _split_k(grid_n * grid_m, k_tiles, x.device)
     k_split = ops.triton.cdiv(k_tiles, split) * bk
@@ -163,10 +180,10 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
         y = torch.empty((split, M, spec.n), dtype=torch.float32, device=x.device)
     else:
         y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
-    tensors, layout, consts = _stored(spec, tile)
+    tensors, layout, consts = _stored(spec, b)
     _wo_matmul_kernel[(grid_n, grid_m, split)](
         x2, *tensors, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0), y.stride(-2), *layout,
-        k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm)
     if split > 1:
         y = y.sum(0)
         if bias is not None:
@@ -184,16 +201,16 @@ def wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = Non
     return _launch_wo_matmul(x, spec, bias)
 
 
-def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype, blocks: WoBlocks | None = None) -> torch.Tensor:
     """`dequantize`'s weight [N, K] in ``dtype`` through one Triton pass (the same fp32 products,
     rounded once); `dequantize` itself where Triton does not run."""
     if not ops.available(spec.q.device):
         return dequantize(spec, dtype)
     w = torch.empty((spec.n, spec.k), dtype=dtype, device=spec.q.device)
-    _, bn, bk, tile = _wo_blocks(spec)
-    tensors, layout, consts = _stored(spec, tile)
-    _dequant_kernel[(ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(spec.k, bk))](
-        *tensors, w, spec.n, spec.k, *layout, **consts, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    b = blocks or _wo_blocks(spec)
+    tensors, layout, consts = _stored(spec, b)
+    _dequant_kernel[(ops.triton.cdiv(spec.n, b.n), ops.triton.cdiv(spec.k, b.k))](
+        *tensors, w, spec.n, spec.k, *layout, **consts)
     return w
 
 
