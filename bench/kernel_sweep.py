@@ -287,22 +287,20 @@ def _quant_layer(scheme: str, N: int, K: int, seed: int):
 def sweep_quant(dtype: torch.dtype) -> dict:
     """Each scheme and 7B projection shape at 1 and 16 rows: cuBLAS on the fp16 weight, and the
     weight-only kernel under each `WoBlocks` variant (the default first; at 16 rows the default
-    alone, and AWQ's words loaded per column), over QUANT_COPIES layers."""
+    alone), over QUANT_COPIES layers."""
     from deployments.kernels import quant as qk
     out: dict = {}
     for scheme in ("awq", "fp8", "gptq"):
         for name, N, K in QUANT_SHAPES:
             specs = [_quant_layer(scheme, N, K, i) for i in range(QUANT_COPIES)]
             base = qk._wo_blocks(specs[0])
-            variants = [base] + ([base._replace(words=False)] if scheme == "awq" else [])
+            variants = [base]
             for bn in (32, 64):
                 for bk in (64, 128):
                     for stages in (None, 2):
-                        for words in ((True, False) if scheme == "awq" else (True,)):
-                            b = base._replace(n=bn, k=min(bk, base.k) if base.tile else bk, stages=stages,
-                                              words=words)
-                            if b not in variants:
-                                variants.append(b)
+                        b = base._replace(n=bn, k=min(bk, base.k) if base.tile else bk, stages=stages)
+                        if b not in variants:
+                            variants.append(b)
             variants += [base._replace(n=128), base._replace(warps=8)]
             w16 = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(4)]
             for m in (1, 16):
@@ -311,7 +309,7 @@ def sweep_quant(dtype: torch.dtype) -> dict:
                 r = {"scheme": scheme, "N": N, "K": K, "rows": m,
                      "cublas_fp16_ms": graph_ms(lambda: [F.linear(x, w) for w in w16]) / len(w16)}
                 rows, best = try_configs(
-                    variants if m == 1 else variants[:1 + (scheme == "awq")], lambda b: {"blocks": b._asdict()}, lambda b: qk._launch_wo_matmul(x, specs[0], None, b),
+                    variants if m == 1 else variants[:1], lambda b: {"blocks": b._asdict()}, lambda b: qk._launch_wo_matmul(x, specs[0], None, b),
                     lambda b: [qk._launch_wo_matmul(x, s, None, b) for s in specs], want)
                 for row in rows:
                     if "ms" in row:

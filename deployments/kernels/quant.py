@@ -112,24 +112,25 @@ def _ref_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None)
 
 
 class WoBlocks(NamedTuple):
-    """How the weight-only kernel tiles a layer (and the one-pass dequantize: n, k, tile, words)."""
+    """How the weight-only kernel tiles a layer (and the one-pass dequantize: n, k, tile, warps)."""
 
     m: int  # BLOCK_M: rows of x per program (16: the tensor cores' least)
     n: int  # BLOCK_N: output columns per program
     k: int  # BLOCK_K: input rows per step
     tile: bool  # GROUP_TILE: a step's rows lie in one int4 group (one row of scales and zero points)
-    words: bool = True  # AWQ_WORDS: AWQ words loaded once each, spread over their columns in registers
     warps: int = 4
     stages: int | None = None  # Triton's software pipelining depth (None: its default)
 
 
 def _wo_blocks(spec: WeightSpec) -> WoBlocks:
-    """16 rows (the tensor cores' least), narrow column tiles so that a 4096-wide layer spreads
-    over 128 programs; for int4 groups of a power of two (no act-order), steps no taller than a
-    group, so that each reads one row of scales and zero points instead of one per element."""
+    """16 rows (the tensor cores' least); column tiles of 32 for fp8 and 64 for int4 (the fastest
+    at one row for each of the 7B's shapes: ``bench/kernel_sweep.py --only quant``); for int4
+    groups of a power of two (no act-order), steps no taller than a group, so that each reads one
+    row of scales and zero points instead of one per element."""
     bk = max(16, min(128, 1 << (spec.k - 1).bit_length()))
-    tile = spec.scheme in (AWQ, GPTQ) and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
-    return WoBlocks(16, 32, min(bk, spec.group) if tile else bk, tile)
+    int4 = spec.scheme in (AWQ, GPTQ)
+    tile = int4 and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
+    return WoBlocks(16, 64 if int4 else 32, min(bk, spec.group) if tile else bk, tile)
 
 
 def _stored(spec: WeightSpec, b: WoBlocks) -> tuple[tuple, tuple, dict]:
@@ -141,7 +142,7 @@ def _stored(spec: WeightSpec, b: WoBlocks) -> tuple[tuple, tuple, dict]:
     layout = (spec.q.stride(0), spec.s.stride(0) if spec.s.dim() == 2 else 0, z.stride(0) if z.dim() == 2 else 0,
               max(spec.group, 1), max(spec.block[0], 1), max(spec.block[1], 1), spec.zero_offset)
     consts = {"SCHEME": spec.scheme, "HAS_GIDX": spec.g_idx is not None, "GROUP_TILE": b.tile,
-              "AWQ_WORDS": b.words, "BLOCK_N": b.n, "BLOCK_K": b.k, "num_warps": b.warps}
+              "BLOCK_N": b.n, "BLOCK_K": b.k, "num_warps": b.warps}
     if b.stages is not None:
         consts["num_stages"] = b.stages
     return (spec.q, spec.s, z, gi), layout, consts

@@ -12,13 +12,13 @@ if triton is not None:
     @triton.jit
     def _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
                       SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr, GROUP_TILE: tl.constexpr,
-                      AWQ_WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr):
         # The weight's tile [BLOCK_K, BLOCK_N] (W^T[k, n] = W[n, k]) in fp32, from the stored layout
         # (weights.quant's docstring): 0 fp8 one scale, 1 fp8 a scale per output channel, 2 fp8
         # block scales, 3 AWQ int4, 4 GPTQ int4. Out-of-range elements are 0. GROUP_TILE: the
         # tile's rows k0.. lie in one int4 group, whose one row of scales and zero points is read.
-        # AWQ_WORDS: an AWQ tile's words are loaded once each (BLOCK_N / 8 a row, side by side) and
-        # spread over their eight columns in registers, instead of each column loading its word.
+        # An AWQ tile's words are loaded once each (BLOCK_N / 8 a row, side by side) and spread over
+        # their eight columns in registers: each column loading its own word took 6-10 times longer.
         mask = (rk < K)[:, None] & (rn < N)[None, :]
         if SCHEME <= 2:
             q = tl.load(Q + rn.to(tl.int64)[None, :] * stride_q + rk[:, None], mask=mask, other=0.0).to(tl.float32)
@@ -33,25 +33,19 @@ if triton is not None:
             # AWQ: column n at nibble (n % 8) // 2 + 4 * (n % 2) of word n // 8 (order 0 2 4 6 1 3 5 7)
             j = rn % 8
             shift = ((j // 2) + 4 * (j % 2)) * 4
-            if AWQ_WORDS:
-                rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
-                word = tl.load(Q + rk.to(tl.int64)[:, None] * stride_q + rw[None, :],
-                               mask=(rk < K)[:, None] & (rw < N // 8)[None, :], other=0)
-                word = tl.interleave(word, word)
-                word = tl.interleave(word, word)
-                word = tl.interleave(word, word)  # [BLOCK_K, BLOCK_N]: column n holds word n // 8
-            else:
-                word = tl.load(Q + rk.to(tl.int64)[:, None] * stride_q + (rn // 8)[None, :], mask=mask, other=0)
+            rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+            word = tl.load(Q + rk.to(tl.int64)[:, None] * stride_q + rw[None, :],
+                           mask=(rk < K)[:, None] & (rw < N // 8)[None, :], other=0)
+            word = tl.interleave(word, word)
+            word = tl.interleave(word, word)
+            word = tl.interleave(word, word)  # [BLOCK_K, BLOCK_N]: column n holds word n // 8
             q = (word >> shift[None, :]) & 0xF
             if GROUP_TILE:
                 g0 = k0 // group
-                if AWQ_WORDS:
-                    zw = tl.load(Z + g0 * stride_z + rw, mask=rw < N // 8, other=0)
-                    zw = tl.interleave(zw, zw)
-                    zw = tl.interleave(zw, zw)
-                    zw = tl.interleave(zw, zw)
-                else:
-                    zw = tl.load(Z + g0 * stride_z + rn // 8, mask=rn < N, other=0)
+                zw = tl.load(Z + g0 * stride_z + rw, mask=rw < N // 8, other=0)
+                zw = tl.interleave(zw, zw)
+                zw = tl.interleave(zw, zw)
+                zw = tl.interleave(zw, zw)
                 z = (zw >> shift) & 0xF
                 s = tl.load(S + g0 * stride_s + rn, mask=rn < N, other=0.0).to(tl.float32)
                 w = (q - z[None, :]).to(tl.float32) * s[None, :]
@@ -85,7 +79,7 @@ if triton is not None:
     @triton.jit
     def _wo_matmul_kernel(X, Q, S, Z, GI, BIAS, Y, M, N, K, stride_xm, stride_ym, stride_q, stride_s, stride_z,
                           group, bn, bk, zero_offset, k_split, SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, GROUP_TILE: tl.constexpr, AWQ_WORDS: tl.constexpr, SPLIT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GROUP_TILE: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Y [M, N] = X [M, K] @ W^T (+ bias): the weight read once per BLOCK_M rows in its stored
         # form and dequantized in registers (a decode step reads 2 / 4 times fewer bytes than fp16),
@@ -103,7 +97,7 @@ if triton is not None:
             x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
                         mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
             w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
-                              zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, AWQ_WORDS, BLOCK_N).to(X.dtype.element_ty)
+                              zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N).to(X.dtype.element_ty)
             if X.dtype.element_ty == tl.float32:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
@@ -120,7 +114,7 @@ if triton is not None:
     @triton.jit
     def _dequant_kernel(Q, S, Z, GI, W, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
                         SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr, GROUP_TILE: tl.constexpr,
-                        AWQ_WORDS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # W [N, K] in its dtype: the stored weight's tile dequantized in fp32 and rounded once, as
         # kernels.quant.dequantize computes it, in one pass (no temporaries of the weight's size).
         k0 = tl.program_id(1) * BLOCK_K
@@ -128,6 +122,6 @@ if triton is not None:
         n0 = tl.program_id(0) * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk, zero_offset,
-                          SCHEME, HAS_GIDX, GROUP_TILE, AWQ_WORDS, BLOCK_N)
+                          SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N)
         tl.store(W + rn.to(tl.int64)[None, :] * K + rk[:, None], w.to(W.dtype.element_ty),
                  mask=(rk < K)[:, None] & (rn < N)[None, :])
