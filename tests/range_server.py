@@ -27,6 +27,7 @@ LOCK = threading.Lock()
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # (headers and body are separate sends: no delayed-ACK wait between)
 
     def log_message(self, *args) -> None:  # quiet
         pass
