@@ -705,28 +705,37 @@ def _make_entry(origin: Origin, entry: Path, packed: PackedFile, manifest: bytes
     tmp.mkdir(parents=True)
     try:
         listed = packed.index.side_files or {}
-        for name in sorted(listed):
-            data = manifest if name == TP_MANIFEST and manifest is not None else origin.get(name)
-            (tmp / name).write_bytes(data)
+        # the small files' GETs at once: each waits for the store's first byte, which is most of its time
+        with ThreadPoolExecutor(8, thread_name_prefix="coldstart-sides") as pool:
+            listing = pool.submit(_kernel_files, origin)
+            sides = {name: pool.submit(origin.get, name) for name in listed
+                     if not (name == TP_MANIFEST and manifest is not None)}
+            kernels = {rel: pool.submit(origin.get, rel) for rel in listing.result()}
+            for name in sorted(listed):
+                (tmp / name).write_bytes(manifest if name not in sides else sides[name].result())
+            for rel, data in kernels.items():
+                dest = tmp / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data.result())
         if packed.index.side_files is None:  # an older pack: copy what it has, unprotected
             for name in SIDE_FILES:
                 if origin.exists(name):
                     (tmp / name).write_bytes(origin.get(name))
-        try:
-            kernels = origin.list("kernels/")
-        except RemoteError as e:  # (a role that may read objects but not list them): the node compiles its own
-            log.info("%s: no kernel bundle taken (%s)", origin.uri, e)
-            kernels = []
-        for rel in kernels:
-            dest = tmp / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(origin.get(rel))
         _check_sides(tmp, packed, origin.uri)
         os.rename(tmp, entry)
     except BaseException:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _kernel_files(origin: Origin) -> list[str]:
+    """The kernel bundle's files at the source (none where the store may not be listed)."""
+    try:
+        return origin.list("kernels/")
+    except RemoteError as e:  # (a role that may read objects but not list them): the node compiles its own
+        log.info("%s: no kernel bundle taken (%s)", origin.uri, e)
+        return []
 
 
 def _check_sides(d: Path, packed: PackedFile, uri: str) -> None:
