@@ -330,8 +330,7 @@ class _Direct:
             got += k
             if time.monotonic() - t0 > self.timeouts.request_s:
                 raise socket.timeout()
-        if whole or resp.length:
-            conn.close()  # (the rest of a whole file is not read; the connection is done)
+        if not resp.isclosed():  # more than asked for (a whole file; an answer of unknown length): not reused
             self._forget(url)
 
 
