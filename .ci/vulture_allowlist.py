@@ -21,6 +21,7 @@ _.do_HEAD
 _.do_POST
 _.log_message
 _.protocol_version
+_.disable_nagle_algorithm  # socketserver's StreamRequestHandler reads it to set TCP_NODELAY
 _.daemon_threads  # socketserver reads its server class's settings by these names
 _.allow_reuse_address
 _.should_exit  # uvicorn's Server polls it to stop (tests' helpers_http serves an app with it)
