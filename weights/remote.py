@@ -16,8 +16,9 @@ by the standard library's HTTP client straight into the caller's buffer (a pinne
 from a URL obstore signs (``obstore.sign``; a plain HTTP(S) model's own URL). obstore returns
 each answer as a new buffer of its own, which a reader then copies: on a host where the source
 is fast that copy, and the fresh pages under it, cost the transfer more than the reads
-(``_Direct``). Where obstore cannot sign (a store or credential without signing), or a proxy is
-set for the host, its own ranged GETs read (and the copy stays). Credentials come from wherever
+(``_Direct``). Where obstore cannot sign (a store or credential without signing), a proxy is set
+for the host, or the source answers a signed URL with an error (a bucket policy that allows
+signed headers only), its own ranged GETs read (and the copy stays). Credentials come from wherever
 that library looks for them (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``,
 web identity, the instance's role; ``GOOGLE_APPLICATION_CREDENTIALS``), never from coldstart's
 own configuration, and a URI that carries a secret (``user:password@``, ``?X-Amz-...``) is refused.
