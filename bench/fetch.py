@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.meta import commit  # noqa: E402
+from bench.results import raw_best  # noqa: E402
 
 WORK = Path(tempfile.gettempdir()) / "coldstart-fetch"
 PIECE = 16 << 20
@@ -119,11 +120,6 @@ def raw_direct(uri: str, pieces: list[tuple[int, int]], threads: int = THREADS) 
         total = sum(pool.map(one, pieces))
     s = time.perf_counter() - t0
     return {"bytes": total, "seconds": s, "GBps": total / s / 1e9}
-
-
-def raw_best(r: dict) -> float:
-    """A round's plain-read figure: the faster of the two clients' (GB/s)."""
-    return max(r[k]["GBps"] for k in ("raw_obstore", "raw_direct") if k in r)
 
 
 def raw_boto3(uri: str, pieces: list[tuple[int, int]]) -> dict | None:

@@ -253,6 +253,11 @@ def _step(v: dict) -> str:
     return f"{_num(v['GBps'])} GB/s" if "GBps" in v else v.get("error", "not run")
 
 
+def raw_best(r: dict) -> float:
+    """A source round's plain-read figure (``bench/fetch.py``): the faster of its clients' (GB/s)."""
+    return max(r[k]["GBps"] for k in ("raw_obstore", "raw_direct") if k in r)
+
+
 def _fetch(p: dict) -> list[tuple[str, str]]:
     """bench/fetch.py's parts (each a run of some of its parts: source, peer, serve)."""
     rows = []
@@ -261,7 +266,7 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
         src = f.get("source")
         if src:
             tag = f"{name}: " if several else ""  # (runs of two trees side by side: each named)
-            raw = [max(r[k]["GBps"] for k in ("raw_obstore", "raw_direct") if k in r) for r in src["rounds"]]
+            raw = [raw_best(r) for r in src["rounds"]]
             pipe = [r["pipeline"]["GBps"] for r in src["rounds"]]
             both = all("raw_direct" in r for r in src["rounds"])
             rows.append((f"{tag}a remote 7B from a local S3-speaking source: plain ranged reads, 16 at once ("
