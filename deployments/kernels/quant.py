@@ -202,13 +202,13 @@ def wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = Non
     return _launch_wo_matmul(x, spec, bias)
 
 
-def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype, blocks: WoBlocks | None = None) -> torch.Tensor:
+def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype) -> torch.Tensor:
     """`dequantize`'s weight [N, K] in ``dtype`` through one Triton pass (the same fp32 products,
     rounded once); `dequantize` itself where Triton does not run."""
     if not ops.available(spec.q.device):
         return dequantize(spec, dtype)
     w = torch.empty((spec.n, spec.k), dtype=dtype, device=spec.q.device)
-    b = blocks or _wo_blocks(spec)
+    b = _wo_blocks(spec)
     tensors, layout, consts = _stored(spec, b)
     _dequant_kernel[(ops.triton.cdiv(spec.n, b.n), ops.triton.cdiv(spec.k, b.k))](
         *tensors, w, spec.n, spec.k, *layout, **consts)
