@@ -110,7 +110,7 @@ class PieceVerifier:
     (``behind``), a bad one is kept for ``finish``, which the loader's thread follows by fetching
     it again (``Fetch.refetch``)."""
 
-    def __init__(self, packed: PackedFile, buffer: torch.Tensor, dev: torch.device, behind: "Behind | None"):
+    def __init__(self, packed: PackedFile, buffer: torch.Tensor, dev: torch.device, behind: "Behind"):
         self.buffer, self.dev, self.behind = buffer, dev, behind
         self.cb = packed.index.chunk_bytes
         self.want = checksum.as_signed(packed.index.chunk_sums).to(dev)
@@ -137,8 +137,7 @@ class PieceVerifier:
                     first, k = off // self.cb, -(-length // self.cb)
                     got = checksum.chunk_sums_tensor(self.buffer, self.cb, first, k)
                     if bool((got == self.want[first:first + k]).all()):  # (waits for this stream only)
-                        if self.behind is not None:
-                            self.behind.put(off, length)
+                        self.behind.put(off, length)
                     else:
                         self.bad.append(p)
         except BaseException as e:  # reported by finish()
@@ -323,8 +322,7 @@ def _again(fetch: "Fetch", slots: Slots, bad: list[tuple[int, int]], checks: Pie
         fetch.refetch(slots.views[0], off, length)
         slots.copy(0, off, length)
         slots.wait(0)
-        if checks.behind is not None:
-            checks.behind.put(off, length)
+        checks.behind.put(off, length)
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
