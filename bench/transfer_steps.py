@@ -4,20 +4,21 @@
         --out OUT/steps.json [--threads 16] [--dir DIR]
 
 A transfer (``weights.fetch``) moves each 16 MiB piece of the weight file's data region through
-these steps: a ranged GET, a copy into a staging slot, its chunk sums, a copy to the GPU, a write
-into the node cache's one file. On a GPU the reader threads do the first two and the copy to the
-device, the device sums each piece, and writer threads write the cache's file behind them; on the
-CPU the reader threads do all but the copy to the device. This measures each step over the whole
-data region, ``--threads`` threads, 16 MiB pieces, all steps in the reader threads (the CPU's way,
-and what the GPU's used to be):
+these steps: a ranged GET into a staging slot, its chunk sums, a copy to the GPU, a write into the
+node cache's one file. On a GPU the reader threads do the first and the copy to the device, the
+device sums each piece, and writer threads write the cache's file behind them; on the CPU the
+reader threads do all but the copy to the device. This measures each step over the whole data
+region, ``--threads`` threads, 16 MiB pieces, all steps in the reader threads (the CPU's way, and
+what the GPU's used to be):
 
 writes    from memory, each on a fresh file in ``--dir`` (default: beside the node cache): ``pwrite``
           into one file (the cache's file), into one file per thread, into the one file mapped
           with each piece's pages faulted in at once, and with ``O_DIRECT`` (the disk itself).
 compute   the chunk sums alone, and the copies alone, from memory.
 pipeline  from a local source (bench/fetch.py's 16-process server on this host), a step added at a
-          time, each entry with every step before it: ``reads`` (the bytes dropped), ``copy`` (into
-          a staging slot), ``sums`` (the chunk sums), ``gpu`` (the copy to the GPU, where there is
+          time, each entry with every step before it: ``reads`` (obstore's answers, dropped), ``copy``
+          (the transfer's own read into a staging slot, ``Origin.read_into``: straight into it, or
+          obstore's answer copied where it cannot sign), ``sums`` (the chunk sums), ``gpu`` (the copy to the GPU, where there is
           one), ``pwrite`` (into one cache file); ``mapped``: the same with the copy into the cache
           file mapped instead of ``pwrite``.
 Where a step's rate falls well below the one before it, that step is the transfer's limit here.
