@@ -149,17 +149,20 @@ def load_remote(uri: str, cache_dir: Path) -> dict:
     from weights.fetch import Fetch, resolve
     t0 = time.perf_counter()
     f = resolve(uri, NodeCache(cache_dir))
+    resolved = time.perf_counter() - t0
     m = load(f, DEV)
     _sync()
     wall = time.perf_counter() - t0
     phases = {p.name: {"seconds": p.seconds, **({"GBps": p.gbps} if p.gbps else {})} for p in m.timer.phases}
-    out = {"wall_s": wall, "bytes": m.packed.data_bytes, "GBps": m.packed.data_bytes / wall / 1e9, "phases": phases}
+    out = {"wall_s": wall, "resolve_s": resolved, "bytes": m.packed.data_bytes, "GBps": m.packed.data_bytes / wall / 1e9,
+           "phases": phases}
     if isinstance(f, Fetch):
         # on a GPU the cache's file is written behind the device's copies: when it is whole too
         f.cached(600)
         cached = f.committed_at - t0
         out["cached_s"], out["cached_GBps"] = cached, m.packed.data_bytes / cached / 1e9
         out["busy_s"] = dict(f.stats.busy_s)  # the threads' busy seconds by step (which one limits it)
+        out["idle_s"] = dict(f.stats.idle_s)  # the device readers' seconds outside their reads, by cause
     del m
     _sync(empty=True)
     return out
@@ -364,7 +367,7 @@ def _remote_fns():
         cached = f.committed_at - t0
         return {"wall_s": wall, "GBps": m.packed.data_bytes / wall / 1e9, "cached_s": cached,
                 "cached_GBps": m.packed.data_bytes / cached / 1e9, "bytes_from": f.stats.bytes_from,
-                "dropped": f.stats.dropped, "busy_s": f.stats.busy_s,
+                "dropped": f.stats.dropped, "busy_s": f.stats.busy_s, "idle_s": f.stats.idle_s,
                 "phases": {p.name: p.seconds for p in m.timer.phases}}
     return own_service, raw_peer, peer_load
 

@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -265,6 +266,16 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
         verifier.advance(low)
 
     def worker(k: int) -> None:
+        # a fetch's reader seconds outside its reads, by what they waited for (``Fetch.stats``):
+        # pinning the slots, a slot's copy to the device, the next piece
+        t = time.perf_counter()
+        idle = {"pin": 0.0, "slot": 0.0, "next": 0.0}
+
+        def took(what: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            idle[what] += now - t
+            t = now
         try:
             torch.cuda.set_device(dev)
             # each thread pins its own slots: pinning runs in parallel and overlaps reads
@@ -272,24 +283,33 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
             with lock:
                 all_slots.append(slots)
             mine = pieces[k::nthreads] if order is None else iter(order.next, None)
+            took("pin")
             for i, (off, length) in enumerate(mine):
+                took("next")
                 if stop.is_set():
                     return
                 s = i % len(slots.views)
                 landed(k, slots.wait(s))
+                took("slot")
                 if fetch is not None:
                     fetch.read_into(slots.views[s], off, length, write=False, check=False)
                 else:
                     _read_exact(fd, slots.views[s], length, packed.data_offset + off, packed, direct)
                 slots.copy(s, off, length)
+                t = time.perf_counter()
+            took("next")
             for s in range(len(slots.views)):
                 landed(k, slots.wait(s))
+            took("slot")
             advance(k, n)
         except BaseException as e:  # re-raised in the caller's thread below
             errors.append(e)
             stop.set()
             if order is not None:
                 order.close()
+        finally:
+            if fetch is not None:
+                fetch.stats.add_idle(idle)
 
     threads = [threading.Thread(target=worker, args=(k,), name=f"coldstart-load-{k}")
                for k in range(nthreads)]
