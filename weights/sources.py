@@ -136,7 +136,10 @@ class SafetensorsFile:
 
     def close(self) -> None:
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a tensor still views it (an error's traceback holds one): unmapped with the last view
             self._mm = None
 
 
