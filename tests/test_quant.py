@@ -389,3 +389,30 @@ def test_scales_of_another_group_size_are_named_by_the_strict_check(tmp_path):
     with pytest.raises(ValueError, match=r"mis-shaped \(\d+\): model.layers.0.mlp.down_proj.qzeros: expected "
                                          r"\[2, 8\], given \[3, 8\]"):
         build_model(m.config, m.tensors)
+
+
+def test_gptq_without_act_order_gives_the_kernels_no_g_idx_and_pack_checks_it(tmp_path):
+    """GPTQ writes a g_idx even without act-order; there it is k // group_size, which pack checks,
+    and the kernels are not given it (their group tiles read one row of scales per group)."""
+    from safetensors.torch import load_file, save_file
+    hf, cfg = hf_model("llama")
+    src = quantized_checkpoint(hf, cfg, "gptq", tmp_path / "hf")
+    model = build_model(*_loaded(pack(src, tmp_path / "packed", PackOptions(progress=False))))
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.g_idx is not None and layer.method.spec(layer).g_idx is None
+    act = quantized_checkpoint(*hf_model("llama"), "gptq-act-order", tmp_path / "act")
+    model = build_model(*_loaded(pack(act, tmp_path / "packed-act", PackOptions(progress=False))))
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.method.spec(layer).g_idx is not None
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(SourceError, match=rf"tensor '{name}' orders the input rows' groups otherwise .*desc_act"):
+        pack(src, tmp_path / "packed-bad", PackOptions(progress=False))
+    assert not (tmp_path / "packed-bad").exists()
+
+
+def _loaded(packed):
+    m = load(packed, "cpu")
+    return m.config, m.tensors

@@ -294,8 +294,15 @@ def _write_weights(paths: list[Path], tensors: TensorStream, by_name: dict[str, 
             fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             os.ftruncate(fds[-1], PREAMBLE_BYTES + data_bytes)  # zero padding for free (sparse)
         bar = _progress(len(paths) * sum(e.nbytes for e in by_name.values()), opts.progress)
+        scheme = metadata[0].get("quantization")
         for name, t, file in tensors:
             e = by_name[name]
+            if name.endswith(".g_idx") and scheme and scheme["method"] == "gptq" and not scheme["act_order"]:
+                if not _in_row_order(t, scheme["group_size"]):
+                    raise SourceError(f"{file}: tensor {name!r} orders the input rows' groups otherwise than k // "
+                                      f"group_size ({scheme['group_size']}), while config.json's "
+                                      "quantization_config.desc_act is false: a checkpoint quantized with "
+                                      "act-order needs desc_act: true")
             pieces = [t] if lay is None else [tensor_parallel.shard(name, t, lay, k) for k in range(lay.size)]
             for fd, piece in zip(fds, pieces):
                 if tuple(piece.shape) != e.shape:
@@ -310,6 +317,13 @@ def _write_weights(paths: list[Path], tensors: TensorStream, by_name: dict[str, 
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _in_row_order(g_idx: torch.Tensor, group_size: int) -> bool:
+    """Whether a GPTQ ``g_idx`` is ``k // group_size``, as it must be without act-order
+    (``desc_act`` false): the decoder then reads the groups in that order and no g_idx."""
+    k = g_idx.numel()
+    return torch.equal(g_idx.to(torch.int64).view(-1), torch.arange(k) // (group_size if group_size > 0 else k))
 
 
 def _finish_weights(fd: int, path: Path, by_name: dict[str, TensorEntry], data_bytes: int,

@@ -3,7 +3,9 @@
 
 Kernels (``deployments.kernels.quant``): the Triton weight-only matmul for a decode step's rows
 (act-order's ``g_idx`` read per input row, no reordering at pack time), else dequantize, then
-multiply."""
+multiply. Without act-order a checkpoint's ``g_idx`` (GPTQ writes one anyway) is ``k // group``,
+which ``pack`` checks, so the kernels are not given it: they then read one row of scales and
+zero points per group instead of one per input row."""
 
 from __future__ import annotations
 
@@ -31,6 +33,6 @@ class GptqMethod(QuantMethod):
 
     def spec(self, layer: QuantLinear) -> WeightSpec:
         return WeightSpec(GPTQ, layer.out_features, layer.in_features, layer.qweight, layer.scales, layer.qzeros,
-                          g_idx=getattr(layer, "g_idx", None),
+                          g_idx=getattr(layer, "g_idx", None) if self.scheme.act_order else None,
                           group=group_of(layer.in_features, self.scheme.group_size),
                           zero_offset=self.scheme.zero_offset)
