@@ -286,23 +286,22 @@ def _quant_layer(scheme: str, N: int, K: int, seed: int):
 
 def sweep_quant(dtype: torch.dtype) -> dict:
     """Each scheme and 7B projection shape at 1 and 16 rows: cuBLAS on the fp16 weight, and the
-    weight-only kernel: its default (the tensor-core tile) and, at one row, the GEMV under each
-    `WoBlocks` variant. Over QUANT_COPIES layers."""
+    weight-only kernel under each `WoBlocks` variant (the default first; at 16 rows the default
+    alone), over QUANT_COPIES layers."""
     from deployments.kernels import quant as qk
     out: dict = {}
     for scheme in ("awq", "fp8", "gptq"):
         for name, N, K in QUANT_SHAPES:
             specs = [_quant_layer(scheme, N, K, i) for i in range(QUANT_COPIES)]
-            tile, gemv = qk._wo_blocks(specs[0]), qk._one_row_blocks(specs[0])
-            variants = [tile, gemv]  # the default, and the one-row GEMV
-            for bn in (64, 128, 256):
+            base = qk._wo_blocks(specs[0])
+            variants = [base]
+            for bn in (32, 64):
                 for bk in (64, 128):
-                    for warps in (4, 8):
-                        b = gemv._replace(n=bn, k=min(bk, gemv.k) if gemv.tile else bk, warps=warps)
+                    for stages in (None, 2):
+                        b = base._replace(n=bn, k=min(bk, base.k) if base.tile else bk, stages=stages)
                         if b not in variants:
                             variants.append(b)
-            variants += [gemv._replace(stages=1), gemv._replace(n=64, k=min(64, gemv.k), stages=1),
-                         gemv._replace(split=4), gemv._replace(split=8)]
+            variants += [base._replace(n=128), base._replace(warps=8)]
             w16 = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(4)]
             for m in (1, 16):
                 x = torch.randn(m, K, device="cuda", dtype=dtype)
@@ -310,8 +309,7 @@ def sweep_quant(dtype: torch.dtype) -> dict:
                 r = {"scheme": scheme, "N": N, "K": K, "rows": m,
                      "cublas_fp16_ms": graph_ms(lambda: [F.linear(x, w) for w in w16]) / len(w16)}
                 rows, best = try_configs(
-                    variants if m == 1 else [tile], lambda b: {"blocks": b._asdict()},
-                    lambda b: qk._launch_wo_matmul(x, specs[0], None, b),
+                    variants if m == 1 else variants[:1], lambda b: {"blocks": b._asdict()}, lambda b: qk._launch_wo_matmul(x, specs[0], None, b),
                     lambda b: [qk._launch_wo_matmul(x, s, None, b) for s in specs], want)
                 for row in rows:
                     if "ms" in row:
@@ -319,8 +317,7 @@ def sweep_quant(dtype: torch.dtype) -> dict:
                 best = min((row for row in rows if "ms" in row), key=lambda row: row["ms"])
                 r.update(variants=rows, default_ms=rows[0].get("ms"), best=best)
                 print(f"quant {scheme:4s} {name:7s} {N:5d}x{K:<5d} rows {m:2d}: cuBLAS fp16 "
-                      f"{r['cublas_fp16_ms'] * 1e3:6.1f} us | default {(r['default_ms'] or 0) * 1e3:6.1f} us"
-                      + (f" (the GEMV {rows[1].get('ms', 0) * 1e3:6.1f} us)" if m == 1 else "") + " | best "
+                      f"{r['cublas_fp16_ms'] * 1e3:6.1f} us | default {(r['default_ms'] or 0) * 1e3:6.1f} us | best "
                       f"{best['ms'] * 1e3:6.1f} us {best['blocks']}", flush=True)
                 out[f"{scheme}-{name}-m{m}"] = r
             specs.clear()

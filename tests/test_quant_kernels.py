@@ -121,17 +121,6 @@ def test_interp_a_wide_batch_multiplies_the_kernels_dequantized_weight(interp):
     assert interp.QuantKernels(weight_only=True).describe() == "Triton weight-only (else Triton dequantize + matmul)"
 
 
-@pytest.mark.parametrize("scheme", ["awq", "gptq-act-order", "ct-channel", "fp8-block"])
-def test_interp_one_row_is_a_gemv_that_agrees_with_the_tensor_core_tile(interp, scheme):
-    """One row through the GEMV (CUDA cores, the weight in fp32) and through the 16-row
-    tensor-core tile: the same product within fp16's rounding."""
-    spec = _spec(scheme, 40, 160)
-    x = torch.randn(1, 160, generator=torch.Generator().manual_seed(3)).half()
-    torch.testing.assert_close(interp._launch_wo_matmul(x, spec, None, interp._one_row_blocks(spec)),
-                               interp._launch_wo_matmul(x, spec, None, interp._wo_blocks(spec)),
-                               **{k: v * 4 for k, v in TOL[torch.float16].items()})
-
-
 def test_interp_wo_matmul_keeps_leading_dims(interp):
     spec = _spec("awq", 16, 64)
     x = torch.randn(2, 3, 64)

@@ -120,30 +120,17 @@ class WoBlocks(NamedTuple):
     tile: bool  # GROUP_TILE: a step's rows lie in one int4 group (one row of scales and zero points)
     warps: int = 4
     stages: int | None = None  # Triton's software pipelining depth (None: its default)
-    gemv: bool = False  # GEMV: one row, products on the CUDA cores (m is 1)
-    split: int | None = None  # parts K is cut into (None: `_split_k`'s choice)
 
 
 def _wo_blocks(spec: WeightSpec) -> WoBlocks:
     """16 rows (the tensor cores' least); column tiles of 32 for fp8 and 64 for int4 (the fastest
-    at one row for each of the 7B's shapes: ``bench/kernel_sweep.py --only quant``). For int4
+    at one row for each of the 7B's shapes: ``bench/kernel_sweep.py --only quant``); for int4
     groups of a power of two (no act-order), steps no taller than a group, so that each reads one
     row of scales and zero points instead of one per element."""
-    bk, tile = _k_step(spec)
-    return WoBlocks(16, 64 if spec.scheme in (AWQ, GPTQ) else 32, bk, tile)
-
-
-def _one_row_blocks(spec: WeightSpec) -> WoBlocks:
-    """One row on the CUDA cores (no tensor-core tile, 15/16 of which would be padding)."""
-    bk, tile = _k_step(spec)
-    return WoBlocks(1, 128, bk, tile, gemv=True)
-
-
-def _k_step(spec: WeightSpec) -> tuple[int, bool]:
-    """BLOCK_K and GROUP_TILE for ``spec`` (see ``WoBlocks``)."""
     bk = max(16, min(128, 1 << (spec.k - 1).bit_length()))
-    tile = spec.scheme in (AWQ, GPTQ) and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
-    return (min(bk, spec.group) if tile else bk), tile
+    int4 = spec.scheme in (AWQ, GPTQ)
+    tile = int4 and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
+    return WoBlocks(16, 64 if int4 else 32, min(bk, spec.group) if tile else bk, tile)
 
 
 def _stored(spec: WeightSpec, b: WoBlocks) -> tuple[tuple, tuple, dict]:
@@ -187,7 +174,7 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
     b = blocks or _wo_blocks(spec)
     bm, bn, bk = b.m, b.n, b.k
     grid_n, grid_m, k_tiles = ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(M, bm), ops.triton.cdiv(spec.k, bk)
-    split = b.split or _split_k(grid_n * grid_m, k_tiles, x.device)
+    split = _split_k(grid_n * grid_m, k_tiles, x.device)
     k_split = ops.triton.cdiv(k_tiles, split) * bk
     split = ops.triton.cdiv(spec.k, k_split)  # (no part left empty)
     if split > 1:
@@ -197,7 +184,7 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
     tensors, layout, consts = _stored(spec, b)
     _wo_matmul_kernel[(grid_n, grid_m, split)](
         x2, *tensors, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0), y.stride(-2), *layout,
-        k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, GEMV=b.gemv, BLOCK_M=bm)
+        k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm)
     if split > 1:
         y = y.sum(0)
         if bias is not None:

@@ -79,42 +79,29 @@ if triton is not None:
     @triton.jit
     def _wo_matmul_kernel(X, Q, S, Z, GI, BIAS, Y, M, N, K, stride_xm, stride_ym, stride_q, stride_s, stride_z,
                           group, bn, bk, zero_offset, k_split, SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, GROUP_TILE: tl.constexpr, SPLIT: tl.constexpr, GEMV: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GROUP_TILE: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Y [M, N] = X [M, K] @ W^T (+ bias): the weight read once per BLOCK_M rows in its stored
         # form and dequantized in registers (a decode step reads 2 / 4 times fewer bytes than fp16),
         # rounded to X's dtype as the torch reference rounds the dequantized weight, then one
         # tensor-core product per tile with fp32 accumulation. SPLIT > 1: program (., ., s) sums
         # rows s * k_split.. of K only, into fp32 partial sums Y [SPLIT, M, N] that the caller adds
-        # (in a fixed order: the same result every time), and the bias is the caller's. GEMV: one
-        # row per program (BLOCK_M 1), products on the CUDA cores.
+        # (in a fixed order: the same result every time), and the bias is the caller's.
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n0 = tl.program_id(0) * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         lo = tl.program_id(2) * k_split
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        if GEMV:
-            # one row (BLOCK_M 1): no tensor-core product, whose tile would be 15/16 padding; the
-            # dequantized weight (fp32) times the row, summed down K in registers
-            row = tl.zeros((BLOCK_N,), tl.float32)
-            for k0 in range(lo, tl.minimum(lo + k_split, K), BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + tl.program_id(1).to(tl.int64) * stride_xm + rk, mask=rk < K, other=0.0)
-                w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
-                                  zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N)
-                row += tl.sum(w * x.to(tl.float32)[:, None], axis=0)
-            acc += row[None, :]
-        else:
-            for k0 in range(lo, tl.minimum(lo + k_split, K), BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
-                            mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
-                w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
-                                  zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N).to(X.dtype.element_ty)
-                if X.dtype.element_ty == tl.float32:
-                    acc += tl.dot(x, w, input_precision="ieee")
-                else:
-                    acc += tl.dot(x, w)
+        for k0 in range(lo, tl.minimum(lo + k_split, K), BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :],
+                        mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+            w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
+                              zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N).to(X.dtype.element_ty)
+            if X.dtype.element_ty == tl.float32:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
         out = (rm < M)[:, None] & (rn < N)[None, :]
         if SPLIT > 1:
             part = Y + tl.program_id(2).to(tl.int64) * M * N
