@@ -159,44 +159,28 @@ class Slots:
     """One reader thread's pinned staging slots, stream and copies.
 
     With libcudart (``rt``) every call is a ctypes call that drops the GIL;
-    otherwise the same steps go through torch. Only the first slot is pinned here; each other
-    one as it is first waited for (``wait``): pinning is slow and one at a time in the driver,
-    so a thread starts reading after its first slot, while other threads still pin theirs.
+    otherwise the same steps go through torch.
     """
 
     def __init__(self, rt, dev: torch.device, buffer: torch.Tensor, n: int, step: int):
-        self.rt, self.buffer, self.n, self.step = rt, buffer, n, step
+        self.rt, self.buffer = rt, buffer
         self.stream = torch.cuda.Stream(dev)
-        self.views: list[memoryview] = []
         if rt is not None:
+            from .cudart import host_view
             rt.set_device(dev.index)
-            self.ptrs: list[int] = []
-            self.events: list = []
+            self.ptrs = [rt.host_alloc(step) for _ in range(n)]
+            self.views = [host_view(p, step) for p in self.ptrs]
+            self.events = [rt.event() for _ in range(n)]
             self.handle = self.stream.cuda_stream
             self.base = buffer.data_ptr()
         else:
-            self.tensors: list[torch.Tensor] = []
-            self.events = []
+            self.tensors = [torch.empty(step, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+            self.views = [memoryview(t.numpy()) for t in self.tensors]
+            self.events = [torch.cuda.Event() for _ in range(n)]
         self.pending: list[tuple[int, int] | None] = [None] * n  # (offset, length) of each slot's copy in flight
-        self._pin()
-
-    def _pin(self) -> None:
-        """One more slot."""
-        if self.rt is not None:
-            from .cudart import host_view
-            self.ptrs.append(self.rt.host_alloc(self.step))
-            self.views.append(host_view(self.ptrs[-1], self.step))
-            self.events.append(self.rt.event())
-        else:
-            self.tensors.append(torch.empty(self.step, dtype=torch.uint8, pin_memory=True))
-            self.views.append(memoryview(self.tensors[-1].numpy()))
-            self.events.append(torch.cuda.Event())
 
     def wait(self, s: int) -> tuple[int, int] | None:
-        """Wait until slot ``s`` is free (pinned, its copy done); returns (offset, length) of the
-        copy that freed it."""
-        while len(self.views) <= s:
-            self._pin()
+        """Wait until slot ``s`` is free; returns (offset, length) of the copy that freed it."""
         piece, self.pending[s] = self.pending[s], None
         if piece is not None:
             self._sync(s)
@@ -304,7 +288,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                 took("next")
                 if stop.is_set():
                     return
-                s = i % slots.n
+                s = i % len(slots.views)
                 landed(k, slots.wait(s))
                 took("slot")
                 if fetch is not None:
@@ -314,7 +298,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                 slots.copy(s, off, length)
                 t = time.perf_counter()
             took("next")
-            for s in range(len(slots.views)):  # (the slots pinned so far)
+            for s in range(len(slots.views)):
                 landed(k, slots.wait(s))
             took("slot")
             advance(k, n)
