@@ -329,6 +329,13 @@ def _quant(p: dict) -> list[tuple[str, str]]:
     """bench/quant.py's parts: a run's row per pack, and --sizes-only's whole-shape sizes."""
     rows = []
     for name, f in p.items():
+        if "load_build_s" in f:  # bench/engine.py over one whole pack
+            rows.append((f"{name}: a whole pack ({_num(f['weight_gb'])} GB), the engine alone: warm load with its "
+                         "build beside it; batch-1 decode",
+                         f"{_num(f['load_build_s'])} s; **{_num(f['decode_ms_per_token_b1'])} ms/token** "
+                         f"({_num(f['engine_share_decode_b1'])} of the GPU's bound, "
+                         f"{_num(f['bound_decode_ms_per_token_b1'])} ms/token)"))
+            continue
         if "rows" not in f and "whole_sizes" not in f:  # a part of another shape: its numbers
             rows += _scalars(f, name if len(p) > 1 else "")
             continue
