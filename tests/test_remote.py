@@ -269,6 +269,7 @@ def test_on_a_gpu_the_bytes_stream_into_the_device_and_the_cache_in_one_pass(ser
     f = resolve(f"{served.url}/tiny", cache)
     assert isinstance(f, Fetch)
     m = load(f, "cuda")
+    assert f.stats.idle_s["pin"] > 0  # (each reader pinned its slots before its first read)
     ref = load(chunked, "cuda")
     assert all(torch.equal(m.tensors[k], ref.tensors[k]) for k in ref.tensors)
     assert f.cached(60) == m.path  # (written behind the device's copies)

@@ -106,8 +106,9 @@ class _Stats:
     # the reader threads' seconds in each step of a piece, summed over the threads: the sources'
     # answers, the checksums, the writes into the cache file (which step limits the transfer)
     busy_s: dict[str, float] = field(default_factory=lambda: {"read": 0.0, "check": 0.0, "write": 0.0})
-    # a device load's reader seconds outside the reads, by what they waited for (weights.stream)
-    idle_s: dict[str, float] = field(default_factory=dict)
+    # a device load's reader seconds outside the reads, by what they waited for (weights.stream):
+    # pinning their staging slots, a slot's copy to the device, the next piece
+    idle_s: dict[str, float] = field(default_factory=lambda: {"pin": 0.0, "slot": 0.0, "next": 0.0})
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_idle(self, seconds: dict[str, float]) -> None:

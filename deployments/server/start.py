@@ -199,7 +199,7 @@ class Start:
             # bytes by source and the sources dropped, as the transfer goes on (the dicts themselves)
             self.transfer = {"model": self.args.model, "cache_entry": str(got.entry),
                              "bytes_from": got.stats.bytes_from, "dropped": got.stats.dropped,
-                             "busy_s": got.stats.busy_s}
+                             "busy_s": got.stats.busy_s, "idle_s": got.stats.idle_s}
             log.info("%s: not on this node; fetching %.2f GB into %s", self.args.model,
                      got.packed.file_bytes / 1e9, got.entry)
             self._set_path(got.entry)
