@@ -278,7 +278,8 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
             t = now
         try:
             torch.cuda.set_device(dev)
-            # each thread pins its own slots: pinning runs in parallel and overlaps reads
+            # each thread pins its own slots, which overlaps other threads' reads (the driver pins
+            # one allocation at a time: a transfer's 16 x 2 x 16 MiB cost its readers seconds, idle_s)
             slots = Slots(rt, dev, buffer, opts.slots_per_thread, step)
             with lock:
                 all_slots.append(slots)
