@@ -109,12 +109,6 @@ class _Stats:
     # a device load's reader seconds outside the reads, by what they waited for (weights.stream):
     # pinning their staging slots, a slot's copy to the device, the next piece
     idle_s: dict[str, float] = field(default_factory=lambda: {"pin": 0.0, "slot": 0.0, "next": 0.0})
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add_idle(self, seconds: dict[str, float]) -> None:
-        with self._lock:
-            for k, v in seconds.items():
-                self.idle_s[k] = self.idle_s.get(k, 0.0) + v
 
 
 class Fetch:
@@ -283,6 +277,12 @@ class Fetch:
                           f"({self.packed.describe_chunk(chunks[0])}) could not be fetched from any source: "
                           + "; ".join(failures) + "; check the source (push the model again if its copy there "
                           "is corrupt)")
+
+    def add_idle(self, seconds: dict[str, float]) -> None:
+        """A device reader's seconds outside its reads, by cause (``stats.idle_s``'s keys)."""
+        with self._lock:
+            for k, v in seconds.items():
+                self.stats.idle_s[k] += v
 
     def refetch(self, view: memoryview, off: int, length: int) -> None:
         """The device found the piece at ``off`` corrupt as it landed: the peer that sent it is

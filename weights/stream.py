@@ -266,7 +266,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
         verifier.advance(low)
 
     def worker(k: int) -> None:
-        # a fetch's reader seconds outside its reads, by what they waited for (``Fetch.stats``):
+        # a fetch's reader seconds outside its reads, by what they waited for (``Fetch.add_idle``):
         # pinning the slots, a slot's copy to the device, the next piece
         t = time.perf_counter()
         idle = {"pin": 0.0, "slot": 0.0, "next": 0.0}
@@ -310,7 +310,7 @@ def stream_into(packed: PackedFile, buffer: torch.Tensor, dev: torch.device, opt
                 order.close()
         finally:
             if fetch is not None:
-                fetch.stats.add_idle(idle)
+                fetch.add_idle(idle)
 
     threads = [threading.Thread(target=worker, args=(k,), name=f"coldstart-load-{k}")
                for k in range(nthreads)]
