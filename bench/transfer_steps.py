@@ -16,11 +16,11 @@ writes    from memory, each on a fresh file in ``--dir`` (default: beside the no
           with each piece's pages faulted in at once, and with ``O_DIRECT`` (the disk itself).
 compute   the chunk sums alone, and the copies alone, from memory.
 pipeline  from a local source (bench/fetch.py's 16-process server on this host), a step added at a
-          time, each entry with every step before it: ``reads`` (obstore's answers, dropped), ``copy``
-          (the transfer's own read into a staging slot, ``Origin.read_into``: straight into it, or
-          obstore's answer copied where it cannot sign), ``sums`` (the chunk sums), ``gpu`` (the copy to the GPU, where there is
-          one), ``pwrite`` (into one cache file); ``mapped``: the same with the copy into the cache
-          file mapped instead of ``pwrite``.
+          time, each entry with every step before it: ``reads`` (obstore's answers, dropped),
+          ``copy`` (the transfer's own read into a staging slot, ``Origin.read_into``: straight
+          into it, or obstore's answer copied where it cannot sign), ``sums`` (the chunk sums),
+          ``gpu`` (the copy to the GPU, where there is one), ``pwrite`` (into one cache file);
+          ``mapped``: the same with the copy into the cache file mapped instead of ``pwrite``.
 Where a step's rate falls well below the one before it, that step is the transfer's limit here.
 """
 

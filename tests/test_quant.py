@@ -397,11 +397,13 @@ def test_gptq_without_act_order_gives_the_kernels_no_g_idx_and_pack_checks_it(tm
     from safetensors.torch import load_file, save_file
     hf, cfg = hf_model("llama")
     src = quantized_checkpoint(hf, cfg, "gptq", tmp_path / "hf")
-    model = build_model(*_loaded(pack(src, tmp_path / "packed", PackOptions(progress=False))))
+    m = load(pack(src, tmp_path / "packed", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.g_idx is not None and layer.method.spec(layer).g_idx is None
     act = quantized_checkpoint(*hf_model("llama"), "gptq-act-order", tmp_path / "act")
-    model = build_model(*_loaded(pack(act, tmp_path / "packed-act", PackOptions(progress=False))))
+    m = load(pack(act, tmp_path / "packed-act", PackOptions(progress=False)), "cpu")
+    model = build_model(m.config, m.tensors)
     layer = model.model.layers[0].mlp.down_proj
     assert layer.method.spec(layer).g_idx is not None
     tensors = load_file(src / "model.safetensors")
@@ -411,8 +413,3 @@ def test_gptq_without_act_order_gives_the_kernels_no_g_idx_and_pack_checks_it(tm
     with pytest.raises(SourceError, match=rf"tensor '{name}' orders the input rows' groups otherwise .*desc_act"):
         pack(src, tmp_path / "packed-bad", PackOptions(progress=False))
     assert not (tmp_path / "packed-bad").exists()
-
-
-def _loaded(packed):
-    m = load(packed, "cpu")
-    return m.config, m.tensors
