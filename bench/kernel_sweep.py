@@ -7,9 +7,10 @@ Llama-2-7B against cuBLAS (`F.linear`), and the flash-decoding attention
 (`_launch_decode_attention`) against the batched matmuls + softmax the model uses
 where it is off; and the attention over a paged cache (block sizes 16 and 32, through a
 shuffled block table) beside the same keys in the static cache; and a 128-row decode step's
-parts (``--only wide``); and the quantized layers' weight-only kernel (``--only quant``:
-AWQ and GPTQ int4, fp8 per channel, at 1 and 16 rows, `kernels.quant.WoBlocks` variants)
-against cuBLAS on the fp16 weight. Each figure is one CUDA
+parts (``--only wide``); and the quantized layers' kernels (``--only quant``: AWQ and GPTQ
+int4, fp8 per channel, at 1 to 128 rows: the one-row GEMV's `kernels.quant.GemvBlocks`
+variants, the weight-only tile, the dequantize + cuBLAS and fp8's `_scaled_mm`) against cuBLAS
+on the fp16 weight. Each figure is one CUDA
 graph over 32 distinct weight matrices / KV caches (one per layer, so the L2 cache does not
 hold them), the best of 5 replays. Random fp16 data; nothing is loaded. Prints and writes
 the best block sizes.
@@ -284,41 +285,66 @@ def _quant_layer(scheme: str, N: int, K: int, seed: int):
     return qk.synthetic(t, seed)
 
 
+def _gemv_variants(spec) -> list:
+    """The one-row GEMV's default blocks first, then the grid around it."""
+    from deployments.kernels import quant as qk
+    base = qk._gemv_blocks(spec)
+    if spec.scheme in (qk.AWQ, qk.GPTQ):
+        grid = [qk.GemvBlocks(n, k, w, base.per_sm) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8)]
+    else:
+        grid = [qk.GemvBlocks(n, k, w, base.per_sm) for n in (1, 2, 4) for k in (512, 1024) for w in (4, 8)]
+    grid += [base._replace(per_sm=p) for p in (2, 8)]
+    return [base] + [g for g in grid if g != base]
+
+
 def sweep_quant(dtype: torch.dtype) -> dict:
-    """Each scheme and 7B projection shape at 1 and 16 rows: cuBLAS on the fp16 weight, and the
-    weight-only kernel under each `WoBlocks` variant (the default first; at 16 rows the default
-    alone), over QUANT_COPIES layers."""
+    """Each scheme and 7B projection shape, over QUANT_COPIES layers: at one row, cuBLAS on the
+    fp16 weight, the 16-row tile and the GEMV under each `GemvBlocks` variant (the default
+    first); at 16 rows the tile; at 64 and 128 rows the tile with 16 and 64 rows a program, the
+    Triton dequantize + cuBLAS, and fp8's `_scaled_mm` (its rows quantized in one pass)."""
     from deployments.kernels import quant as qk
     out: dict = {}
     for scheme in ("awq", "fp8", "gptq"):
         for name, N, K in QUANT_SHAPES:
             specs = [_quant_layer(scheme, N, K, i) for i in range(QUANT_COPIES)]
-            base = qk._wo_blocks(specs[0])
-            variants = [base]
-            for bn in (32, 64):
-                for bk in (64, 128):
-                    for stages in (None, 2):
-                        b = base._replace(n=bn, k=min(bk, base.k) if base.tile else bk, stages=stages)
-                        if b not in variants:
-                            variants.append(b)
-            variants += [base._replace(n=128), base._replace(warps=8)]
+            tile = qk._wo_blocks(specs[0])
             w16 = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(4)]
-            for m in (1, 16):
+            for m in (1, 16, 64, 128):
                 x = torch.randn(m, K, device="cuda", dtype=dtype)
                 want = F.linear(x.float(), qk.dequantize(specs[0], torch.float32))
                 r = {"scheme": scheme, "N": N, "K": K, "rows": m,
                      "cublas_fp16_ms": graph_ms(lambda: [F.linear(x, w) for w in w16]) / len(w16)}
-                rows, best = try_configs(
-                    variants if m == 1 else variants[:1], lambda b: {"blocks": b._asdict()}, lambda b: qk._launch_wo_matmul(x, specs[0], None, b),
-                    lambda b: [qk._launch_wo_matmul(x, s, None, b) for s in specs], want)
+                paths = {f"tile-m{b.m}": (lambda b: (lambda s: qk._launch_wo_matmul(x, s, None, b)))(b)
+                         for b in ([tile] if m < 64 else [tile, tile._replace(m=64)])}
+                if m == 1:
+                    paths.update({f"gemv-{tuple(g)}": (lambda g: (lambda s: qk._launch_wo_gemv(x, s, None, g)))(g)
+                                  for g in _gemv_variants(specs[0])})
+                if m >= 64:
+                    paths["dequantize+cublas"] = lambda s: F.linear(x, qk.dequantize_kernel(s, x.dtype))
+                    if scheme == "fp8":
+                        paths["scaled_mm"] = lambda s: qk.fp8_scaled_mm(x, s)
+                rows, _ = try_configs(list(paths), lambda k: {"path": k}, lambda k: paths[k](specs[0]),
+                                      lambda k: [paths[k](s) for s in specs], want)
+                top = want.abs().max().item()
                 for row in rows:
                     if "ms" in row:
                         row["ms"] /= QUANT_COPIES
-                best = min((row for row in rows if "ms" in row), key=lambda row: row["ms"])
-                r.update(variants=rows, default_ms=rows[0].get("ms"), best=best)
-                print(f"quant {scheme:4s} {name:7s} {N:5d}x{K:<5d} rows {m:2d}: cuBLAS fp16 "
-                      f"{r['cublas_fp16_ms'] * 1e3:6.1f} us | default {(r['default_ms'] or 0) * 1e3:6.1f} us | best "
-                      f"{best['ms'] * 1e3:6.1f} us {best['blocks']}", flush=True)
+                        row["GBps"] = specs[0].q.nbytes / row["ms"] / 1e6
+                        row["rel_err"] = row["max_err"] / top
+                        # the fp8 matmul's rows are quantized too: a few percent of the range
+                        row["ok"] = row["rel_err"] <= (6e-2 if row["path"] == "scaled_mm" else 2e-2)
+                best = min((row for row in rows if row.get("ok")), key=lambda row: row["ms"],
+                           default={"path": "none", "ms": float("nan"), "GBps": float("nan")})
+                r.update(paths=rows, best=best)
+                first = {row["path"]: row.get("ms") for row in rows}
+                gemv0 = next((v for k, v in first.items() if k.startswith("gemv")), None)
+                print(f"quant {scheme:4s} {name:7s} {N:5d}x{K:<5d} rows {m:3d}: cuBLAS fp16 "
+                      f"{r['cublas_fp16_ms'] * 1e3:6.1f} us | tile {(first.get(f'tile-m{tile.m}') or 0) * 1e3:6.1f} us"
+                      + (f" | gemv default {gemv0 * 1e3:6.1f} us" if gemv0 else "")
+                      + f" | best {best['ms'] * 1e3:6.1f} us {best['path']} ({best['GBps']:.0f} GB/s)"
+                      + "".join(f" | WRONG {row['path']} {row['rel_err']:.2g}" for row in rows if row.get("ok") is False)
+                      + "".join(f" | ERROR {row['path']}: {row['error'][:80]}" for row in rows if "error" in row),
+                      flush=True)
                 out[f"{scheme}-{name}-m{m}"] = r
             specs.clear()
             w16.clear()

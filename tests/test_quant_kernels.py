@@ -88,6 +88,62 @@ def test_interp_wo_matmul(interp, scheme, N, K, M, dtype):
     torch.testing.assert_close(got.float(), ref, **{k: v * 4 for k, v in TOL[dtype].items()})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scheme", ["ct-channel", "ct-tensor", "fp8-block", "awq", "gptq", "gptq-act-order", "gptq-v2"])
+# 72, 40: a partial last group (and step); 1024 and 512: K cut into parts, the last of each
+# tile's programs adding them (kernels.quant_jit._store_out)
+@pytest.mark.parametrize("N,K", [(40, 72), (8, 40), (64, 1024), (16, 512)])
+def test_interp_one_row_takes_the_gemv(interp, scheme, N, K, dtype, monkeypatch):
+    from deployments.kernels import ops
+    monkeypatch.setattr(ops, "available", lambda device: True)
+    spec = _spec(scheme, N, K)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 1, K + 3, generator=g).to(dtype)[..., :K]  # a strided row, leading dims kept
+    bias = torch.randn(N, generator=g).to(dtype) if K == 40 else None
+    got = interp.wo_matmul(x, spec, bias)
+    assert torch.equal(got, interp._launch_wo_gemv(x, spec, bias))  # (wo_matmul's path for one row)
+    want = interp._ref_wo_matmul(x.float(), spec, None if bias is None else bias.float())
+    assert got.dtype == dtype and got.shape == (1, 1, N)
+    # the dequantized weight in fp32 times the row (the tile rounds the weight to the row's dtype first)
+    torch.testing.assert_close(got.float(), want, **{k: v * 4 for k, v in TOL[dtype].items()})
+    assert not interp._COUNTERS["cpu"].any()  # every split tile's count set back to 0
+
+
+def test_interp_a_split_gemv_adds_its_parts_in_one_order(interp):
+    """The split launch's parts are added by whichever program ends last, always part 0 first:
+    the same bits as the parts added in order by hand, and at every call."""
+    spec = _spec("awq", 64, 1024)
+    blocks = interp.GemvBlocks(64, 32, 4, 8)
+    x = torch.randn(1, 1024)
+    split = interp._split_k(1, 1024 // 32, torch.device("cpu"), blocks.per_sm, least=1)
+    assert split == 16
+    got = interp._launch_wo_gemv(x, spec, None, blocks)
+    w = interp.dequantize(spec, torch.float32)
+    parts = [x[:, p * 64:(p + 1) * 64] @ w[:, p * 64:(p + 1) * 64].t() for p in range(split)]
+    torch.testing.assert_close(got, sum(parts[1:], parts[0]), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, interp._launch_wo_gemv(x, spec, None, blocks))
+
+
+def test_gemv_blocks_follow_the_layout_and_refuse_a_step_across_groups():
+    assert qk._gemv_blocks(_spec("awq", 64, 160)) == (64, 32, 4, 4)  # groups of 32
+    assert qk._gemv_blocks(_spec("gptq-act-order", 64, 160)).k == 64
+    assert qk._gemv_blocks(_spec("ct-channel", 64, 4096))[:2] == (2, 1024)
+    assert qk._gemv_blocks(_spec("ct-channel", 64, 72))[:2] == (2, 128)
+    with pytest.raises(ValueError, match="must lie in one group of 32 rows"):
+        qk._launch_wo_gemv(torch.randn(1, 160), _spec("awq", 64, 160), None, qk.GemvBlocks(64, 64))
+
+
+@pytest.mark.parametrize("K", [300, 4096, 5000])
+def test_interp_rows_quantized_in_one_pass_equal_torchs(interp, K, monkeypatch):
+    from deployments.kernels import ops
+    x = (torch.randn(7, K) * torch.logspace(-4, 4, 7)[:, None]).to(torch.float16)
+    got_q, got_s = interp._quantize_rows(x, 16)
+    monkeypatch.setattr(ops, "available", lambda device: False)
+    want_q, want_s = interp._quantize_rows(x, 16)
+    assert got_q.shape == (16, K) and torch.equal(got_s, want_s) and (got_s[7:] == 1).all()
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and not got_q[7:].float().any()
+
+
 def test_the_weight_only_kernel_cuts_k_for_few_programs_and_reads_a_groups_scales_once():
     spec = _spec("awq", 64, 160)  # groups of 32
     assert qk._wo_blocks(spec)[:4] == (16, 64, 32, True)

@@ -4,7 +4,9 @@ layer's stored tensors, in the layouts of ``weights.quant``'s docstring):
 - `dequantize`      the weight as a plain [N, K] matrix: the reference every kernel is tested against,
                     and the CPU's path (dequantize, then matmul: a transient copy of one layer);
 - `wo_matmul`       weight-only Triton matmul for a decode step's rows (batch 1 up to
-                    ``WO_MAX_ROWS``): the stored weight read once, dequantized in registers;
+                    ``WO_MAX_ROWS``): the stored weight read once, dequantized in registers; one
+                    row (batch-1 decode) takes a GEMV on the CUDA cores, more rows a tensor-core
+                    tile;
 - `dequantize_kernel` `dequantize` in one Triton pass (equal to it bit for bit, no temporaries of
                     the weight's size): the int4 layers' weight for wider batches and prefill,
                     multiplied by cuBLAS;
@@ -31,7 +33,7 @@ from deployments.kernels import ops, policy
 from weights.quant import AWQ_ORDER, FP8_MAX
 
 if ops.triton is not None:
-    from deployments.kernels.quant_jit import _dequant_kernel, _wo_matmul_kernel
+    from deployments.kernels.quant_jit import _dequant_kernel, _quant_rows_kernel, _wo_gemv_kernel, _wo_matmul_kernel
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +150,33 @@ def _stored(spec: WeightSpec, b: WoBlocks) -> tuple[tuple, tuple, dict]:
     return (spec.q, spec.s, z, gi), layout, consts
 
 
+class GemvBlocks(NamedTuple):
+    """How the one-row GEMV tiles a layer."""
+
+    n: int  # BLOCK_N: outputs per program (int4: a multiple of 8, a word's columns)
+    k: int  # BLOCK_K: input rows per unrolled step (int4 groups of a power of two: at most a group)
+    warps: int = 4
+    per_sm: int = 4  # K is cut into parts until there are about this many programs per multiprocessor
+
+
+def _gemv_blocks(spec: WeightSpec) -> GemvBlocks:
+    """fp8 [N, K] rows are contiguous along K: few outputs a program, long steps along K, as the
+    fp16 GEMV (``ops._gemv_blocks``); int4 words hold 8 columns (AWQ) or 8 rows (GPTQ) of a
+    [K, N]-major layout: wide column tiles, steps no taller than a group."""
+    b = _wo_blocks(spec)
+    if spec.scheme in (AWQ, GPTQ):
+        return GemvBlocks(64, b.k if b.tile else 64, 4, 4)
+    return GemvBlocks(2, max(16, min(1024, 1 << (spec.k - 1).bit_length())), 4, 4)
+
+
+GEMV_STEPS = 32
 _SMS: dict[int, int] = {}
 
 
-def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:
-    """Into how many parts the weight-only kernel cuts K: enough programs for about four per
+def _split_k(programs: int, k_tiles: int, device: torch.device, per_sm: int = 4, least: int = 2) -> int:
+    """Into how many parts the weight-only kernels cut K: enough programs for about ``per_sm`` per
     multiprocessor (a decode step's few rows over a narrow layer leave most of the GPU idle), each
-    part at least two tiles."""
+    part at least ``least`` tiles."""
     if device.type == "cuda":
         i = device.index if device.index is not None else torch.cuda.current_device()
         if i not in _SMS:
@@ -162,7 +184,27 @@ def _split_k(programs: int, k_tiles: int, device: torch.device) -> int:
         sms = _SMS[i]
     else:
         sms = 2  # (the Triton interpreter: the split's path is exercised on small layers)
-    return max(1, min(16, 4 * sms // programs, k_tiles // 2))
+    return max(1, min(16, per_sm * sms // programs, k_tiles // least))
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeros (int32) on ``device``, one per output tile of a split launch: the
+    kernels count a tile's finished parts there and set it back to 0 (``quant_jit._store_out``).
+    Made once per device, by `choose` before any graph's capture; the launches of one device run
+    in one stream at a time (the engine's loop), so one array serves them all."""
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = _COUNTERS[key] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return c
+
+
+def _parts(x: torch.Tensor, split: int, rows: int, n: int) -> torch.Tensor:
+    """The fp32 workspace of a split launch's parts (unused where ``split`` is 1)."""
+    return torch.empty((split, rows, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
 
 
 def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None,
@@ -177,19 +219,36 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
     split = _split_k(grid_n * grid_m, k_tiles, x.device)
     k_split = ops.triton.cdiv(k_tiles, split) * bk
     split = ops.triton.cdiv(spec.k, k_split)  # (no part left empty)
-    if split > 1:
-        y = torch.empty((split, M, spec.n), dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, spec.n), dtype=x.dtype, device=x.device)
     tensors, layout, consts = _stored(spec, b)
     _wo_matmul_kernel[(grid_n, grid_m, split)](
-        x2, *tensors, bias if bias is not None else x2, y, M, spec.n, spec.k, x2.stride(0), y.stride(-2), *layout,
+        x2, *tensors, bias if bias is not None else x2, y, _parts(x, split, M, spec.n),
+        _counters(x.device, grid_n * grid_m), M, spec.n, spec.k, x2.stride(0), y.stride(0), *layout,
         k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm)
-    if split > 1:
-        y = y.sum(0)
-        if bias is not None:
-            y += bias.float()
-        y = y.to(x.dtype)
+    return y.view(*x.shape[:-1], spec.n)
+
+
+def _launch_wo_gemv(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None,
+                    blocks: GemvBlocks | None = None) -> torch.Tensor:
+    """One row x [..., K] (every leading dim 1) @ W^T (+ bias) with the GEMV."""
+    x1 = x.reshape(spec.k)
+    if x1.stride(0) != 1:
+        x1 = x1.contiguous()
+    g = blocks or _gemv_blocks(spec)
+    tile = _wo_blocks(spec)._replace(n=g.n, k=g.k, warps=g.warps, stages=None)
+    if tile.tile and spec.group % g.k or spec.scheme in (AWQ, GPTQ) and g.n % 8:
+        raise ValueError(f"GEMV blocks {g}: an int4 step must lie in one group of {spec.group} rows and "
+                         "cover whole words (BLOCK_N a multiple of 8)")
+    grid_n, k_tiles = ops.triton.cdiv(spec.n, g.n), ops.triton.cdiv(spec.k, g.k)
+    # (at most GEMV_STEPS unrolled steps a program: the compile's time and code grow with them)
+    split = max(_split_k(grid_n, k_tiles, x.device, g.per_sm, least=1), ops.triton.cdiv(k_tiles, GEMV_STEPS))
+    k_part = ops.triton.cdiv(k_tiles, split) * g.k
+    split = ops.triton.cdiv(spec.k, k_part)  # (no part left empty)
+    y = torch.empty(spec.n, dtype=x.dtype, device=x.device)
+    tensors, layout, consts = _stored(spec, tile)
+    _wo_gemv_kernel[(grid_n, split)](
+        x1, *tensors, bias if bias is not None else x1, y, _parts(x, split, 1, spec.n), _counters(x.device, grid_n),
+        spec.n, spec.k, *layout, **consts, HAS_BIAS=bias is not None, SPLIT=split, K_PART=k_part)
     return y.view(*x.shape[:-1], spec.n)
 
 
@@ -199,6 +258,8 @@ def wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = Non
         raise ValueError(f"wo_matmul: x has {x.shape[-1]} columns, the layer takes {spec.k}")
     if not ops.available(x.device):
         return _ref_wo_matmul(x, spec, bias)
+    if x.numel() == spec.k:
+        return _launch_wo_gemv(x, spec, bias)
     return _launch_wo_matmul(x, spec, bias)
 
 
@@ -215,22 +276,35 @@ def dequantize_kernel(spec: WeightSpec, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [M, K] as float8_e4m3fn, its per-row scale [M, 1] fp32): dynamic per-token quantisation."""
+def _quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [M, K] as float8_e4m3fn, its per-row scale [M, 1] fp32): dynamic per-token quantisation;
+    ``rows`` (at least M): the result padded with zero rows of scale 1 to that many. One Triton
+    pass where Triton runs (the same values)."""
+    M, K = x.shape
+    rows = M if rows is None else rows
+    if ops.available(x.device):
+        xq = torch.empty((rows, K), dtype=torch.float8_e4m3fn, device=x.device)
+        xs = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        _quant_rows_kernel[(rows,)](x, xq, xs, M, K, x.stride(0), FP8_MAX=FP8_MAX,
+                                    BLOCK_K=min(4096, ops.triton.next_power_of_2(K)))
+        return xq, xs
+    if rows > M:
+        x = F.pad(x, (0, 0, 0, rows - M))
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+    if rows > M:
+        scale[M:] = 1.0
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def fp8_scaled_mm(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) on fp8 tensor cores: rows quantized per token, the weight's
     per-channel (or per-tensor, broadcast) scales applied row-wise by ``torch._scaled_mm``. Rows
-    are padded to a multiple of 16 (its kernels' requirement)."""
+    are padded to a multiple of 16 (its kernels' requirement) by the quantisation itself."""
     x2 = x.reshape(-1, spec.k)
     M = x2.shape[0]
-    pad = -M % 16
-    if pad:
-        x2 = F.pad(x2, (0, 0, 0, pad))
-    xq, xs = _quantize_rows(x2)
+    xq, xs = _quantize_rows(x2, M + (-M % 16))
     ws = spec.s.float().reshape(1, -1).expand(1, spec.n).contiguous()
     y = torch._scaled_mm(xq, spec.q.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype,
                          bias=bias.to(x.dtype) if bias is not None else None)
@@ -270,6 +344,7 @@ def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.devic
     plan = QuantKernels()
     if not specs or not ops.available(device):
         return plan
+    _counters(device, 0)
     where = policy.verdict_dir()
     shapes = sorted((s.scheme, s.n, s.k, s.group, list(s.block), s.g_idx is not None) for s in specs.values())
     t = time.perf_counter()
