@@ -297,19 +297,19 @@ def _gemv_variants(spec) -> list:
     return [base] + [g for g in grid if g != base]
 
 
-def sweep_quant(dtype: torch.dtype) -> dict:
+def sweep_quant(dtype: torch.dtype, schemes=("awq", "fp8", "gptq"), row_counts=(1, 16, 64, 128)) -> dict:
     """Each scheme and 7B projection shape, over QUANT_COPIES layers: at one row, cuBLAS on the
     fp16 weight, the 16-row tile and the GEMV under each `GemvBlocks` variant (the default
     first); at 16 rows the tile; at 64 and 128 rows the tile with 16 and 64 rows a program, the
     Triton dequantize + cuBLAS, and fp8's `_scaled_mm` (its rows quantized in one pass)."""
     from deployments.kernels import quant as qk
     out: dict = {}
-    for scheme in ("awq", "fp8", "gptq"):
+    for scheme in schemes:
         for name, N, K in QUANT_SHAPES:
             specs = [_quant_layer(scheme, N, K, i) for i in range(QUANT_COPIES)]
             tile = qk._wo_blocks(specs[0])
             w16 = [torch.randn(N, K, device="cuda", dtype=dtype) * 0.02 for _ in range(4)]
-            for m in (1, 16, 64, 128):
+            for m in row_counts:
                 x = torch.randn(m, K, device="cuda", dtype=dtype)
                 want = F.linear(x.float(), qk.dequantize(specs[0], torch.float32))
                 r = {"scheme": scheme, "N": N, "K": K, "rows": m,
@@ -356,6 +356,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", choices=["gemv", "attention", "paged", "wide", "quant"])
+    ap.add_argument("--schemes", type=lambda v: tuple(v.split(",")), default=("awq", "fp8", "gptq"),
+                    help="--only quant: these schemes")
+    ap.add_argument("--rows", type=lambda v: tuple(int(r) for r in v.split(",")), default=(1, 16, 64, 128),
+                    help="--only quant: at these row counts")
     a = ap.parse_args()
     if not ops.available("cuda"):
         sys.exit("needs CUDA and Triton")
@@ -371,7 +375,7 @@ def main() -> None:
     if a.only in (None, "wide"):
         res["wide"] = sweep_wide(torch.float16)
     if a.only in (None, "quant"):
-        res["quant"] = sweep_quant(torch.float16)
+        res["quant"] = sweep_quant(torch.float16, a.schemes, a.rows)
     res["seconds"] = time.perf_counter() - t0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(stamp(res), indent=1))

@@ -177,6 +177,27 @@ def test_interp_a_wide_batch_multiplies_the_kernels_dequantized_weight(interp):
     assert interp.QuantKernels(weight_only=True).describe() == "Triton weight-only (else Triton dequantize + matmul)"
 
 
+def test_a_step_past_sixteen_rows_takes_fp8_tensor_cores_where_they_passed(monkeypatch):
+    """Rows 1..WO_SMALL_ROWS: the weight-only kernel; more: _scaled_mm where its test passed, else
+    the weight-only kernel (64-row tiles) up to WO_MAX_ROWS; beyond: dequantize, then matmul."""
+    from deployments.model.quant import base
+    spec = _spec("ct-channel", 16, 64)
+    took: list[str] = []
+    monkeypatch.setattr(qk, "wo_matmul", lambda x, s, b: took.append("wo") or x @ qk.dequantize(s, x.dtype).t())
+    monkeypatch.setattr(qk, "fp8_scaled_mm", lambda x, s, b: took.append("mm") or x @ qk.dequantize(s, x.dtype).t())
+    monkeypatch.setattr(qk, "dequantize_kernel", lambda s, d: took.append("dq") or qk.dequantize(s, d))
+    method = base.QuantMethod.__new__(base.QuantMethod)
+    method.spec = lambda layer: spec
+    for kernels, rows, want in ((qk.QuantKernels(True, True), (1, 16, 17, 200), ["wo", "wo", "mm", "mm"]),
+                                (qk.QuantKernels(True, False), (16, 17, 128, 129), ["wo", "wo", "wo", "dq"])):
+        took.clear()
+        method.kernels = kernels
+        for m in rows:
+            method.apply(None, torch.randn(m, 64), None)
+        assert took == want
+    assert qk._wo_blocks(spec, 16).m == 16 and qk._wo_blocks(spec, 17).m == 64
+
+
 def test_interp_wo_matmul_keeps_leading_dims(interp):
     spec = _spec("awq", 16, 64)
     x = torch.randn(2, 3, 64)

@@ -38,7 +38,9 @@ if ops.triton is not None:
 log = logging.getLogger(__name__)
 
 FP8_TENSOR, FP8_CHANNEL, FP8_BLOCK, AWQ, GPTQ = range(5)
-WO_MAX_ROWS = 64  # rows up to which the weight-only kernel runs (a decode step's batch); wider: fp8 / dequantize
+WO_MAX_ROWS = 128  # rows up to which the weight-only kernel runs (a decode step's batch); wider: dequantize
+WO_SMALL_ROWS = 16  # rows up to which its tiles take 16 rows (the tensor cores' least), 64 beyond; and
+# past which fp8's _scaled_mm runs instead, where it passed its test (bench/kernel_sweep.py --only quant)
 
 
 @dataclass
@@ -124,15 +126,17 @@ class WoBlocks(NamedTuple):
     stages: int | None = None  # Triton's software pipelining depth (None: its default)
 
 
-def _wo_blocks(spec: WeightSpec) -> WoBlocks:
-    """16 rows (the tensor cores' least); column tiles of 32 for fp8 and 64 for int4 (the fastest
-    at one row for each of the 7B's shapes: ``bench/kernel_sweep.py --only quant``); for int4
-    groups of a power of two (no act-order), steps no taller than a group, so that each reads one
-    row of scales and zero points instead of one per element."""
+def _wo_blocks(spec: WeightSpec, rows: int = 1) -> WoBlocks:
+    """16 rows a tile up to ``WO_SMALL_ROWS`` rows, 64 beyond (at 64 and 128 rows 2.2-3.1 times
+    faster than 16, whose tiles each dequantize the weight again); column tiles of 32 for fp8 and
+    64 for int4 (the fastest at one row for each of the 7B's shapes: ``bench/kernel_sweep.py
+    --only quant``); for int4 groups of a power of two (no act-order), steps no taller than a
+    group, so that each reads one row of scales and zero points instead of one per element."""
     bk = max(16, min(128, 1 << (spec.k - 1).bit_length()))
     int4 = spec.scheme in (AWQ, GPTQ)
     tile = int4 and spec.g_idx is None and spec.group >= 16 and not spec.group & (spec.group - 1)
-    return WoBlocks(16, 64 if int4 else 32, min(bk, spec.group) if tile else bk, tile)
+    return WoBlocks(16 if rows <= WO_SMALL_ROWS else 64, 64 if int4 else 32, min(bk, spec.group) if tile else bk,
+                    tile)
 
 
 def _stored(spec: WeightSpec, b: WoBlocks) -> tuple[tuple, tuple, dict]:
@@ -213,7 +217,7 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    b = blocks or _wo_blocks(spec)
+    b = blocks or _wo_blocks(spec, M)
     bm, bn, bk = b.m, b.n, b.k
     grid_n, grid_m, k_tiles = ops.triton.cdiv(spec.n, bn), ops.triton.cdiv(M, bm), ops.triton.cdiv(spec.k, bk)
     split = _split_k(grid_n * grid_m, k_tiles, x.device)
@@ -339,7 +343,7 @@ def synthetic(spec: WeightSpec, seed: int = 0) -> WeightSpec:
 def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device) -> QuantKernels:
     """The kernels a model whose quantized layers are ``specs`` (one per distinct shape, by a
     name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1 and
-    ``WO_MAX_ROWS`` rows (the weight-only kernel) or 48 rows (``_scaled_mm``) and compared with
+    48 and ``WO_MAX_ROWS`` rows (the weight-only kernel) or 48 rows (``_scaled_mm``) and compared with
     `dequantize`'s product; a pass is kept per node (``policy.kept_test``). Never raises."""
     plan = QuantKernels()
     if not specs or not ops.available(device):
@@ -349,7 +353,7 @@ def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.devic
     shapes = sorted((s.scheme, s.n, s.k, s.group, list(s.block), s.g_idx is not None) for s in specs.values())
     t = time.perf_counter()
     why = policy.kept_test(policy._selftest_path(["quant-wo", "dequantize", shapes, str(dtype)], device, where),
-                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, WO_MAX_ROWS), 2e-2)
+                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, 48, WO_MAX_ROWS), 2e-2)
                            or _test_dequantize(specs, dtype))
     plan.weight_only = why is None
     plan.seconds["quant_kernel_test"] = time.perf_counter() - t

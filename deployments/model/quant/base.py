@@ -49,15 +49,16 @@ class QuantMethod:
 
     def apply(self, layer: "QuantLinear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] with the kernel ``self.kernels`` names for
-        this many rows: the weight-only kernel for a decode step's, fp8 tensor cores for wider ones;
+        this many rows: the weight-only kernel for a decode step's, fp8 tensor cores past
+        ``WO_SMALL_ROWS`` where they passed their test;
         else dequantize, then matmul: a transient copy of one layer's weight, never kept (made in
         one Triton pass where the kernels passed their test; on the CPU, or where they failed, by
         the torch reference)."""
         rows = x.numel() // x.shape[-1]
+        if self.kernels.scaled_mm and rows > quant_kernels.WO_SMALL_ROWS:
+            return quant_kernels.fp8_scaled_mm(x, self.spec(layer), bias)
         if self.kernels.weight_only and rows <= quant_kernels.WO_MAX_ROWS:
             return quant_kernels.wo_matmul(x, self.spec(layer), bias)
-        if self.kernels.scaled_mm:
-            return quant_kernels.fp8_scaled_mm(x, self.spec(layer), bias)
         if self.kernels.weight_only:
             return F.linear(x, quant_kernels.dequantize_kernel(self.spec(layer), x.dtype), bias)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
