@@ -139,22 +139,6 @@ if triton is not None:
                    HAS_BIAS, SPLIT)
 
     @triton.jit
-    def _int4_plane(word, J: tl.constexpr, s, z):
-        # Nibble J of each int32 word, dequantized in fp32 with its group's scale and zero point:
-        # q * s - z * s, both products exact for fp16 / bf16 scales (q, z < 16): (q - z) * s.
-        q = ((word >> (4 * J)) & 0xF).to(tl.float32)
-        return q * s - z * s
-
-    @triton.jit
-    def _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, J: tl.constexpr):
-        # AWQ words [BLOCK_K, BLOCK_N / 8] (column c of the tile: columns 8 c..8 c + 7): nibble J's
-        # products x[k] * W[8 c + AWQ_ORDER[J], k], [BLOCK_K, BLOCK_N / 8]
-        col = cw * 8 + (J % 4) * 2 + J // 4
-        s = tl.load(S + g0 * stride_s + col, mask=smask, other=0.0).to(tl.float32)
-        z = ((zw >> (4 * J)) & 0xF).to(tl.float32)
-        return _int4_plane(word, J, s[None, :], z[None, :]) * x[:, None]
-
-    @triton.jit
     def _wo_gemv_kernel(X, Q, S, Z, GI, BIAS, Y, WS, CNT, N, K, stride_q, stride_s, stride_z, group, bn, bk,
                         zero_offset, SCHEME: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GROUP_TILE: tl.constexpr, SPLIT: tl.constexpr, K_PART: tl.constexpr,
@@ -163,66 +147,20 @@ if triton is not None:
         # s * K_PART.. of K (_store_out adds the parts). The part's steps are unrolled (K_PART is a
         # constant), so the weight's loads can all be in flight at once: one row's product is bound
         # by reading the weight. Products on the CUDA cores, summed along K in registers and reduced
-        # once at the end (a tensor-core tile would be 15/16 padding). int4 in groups a step lies
-        # in: each nibble plane of the words as loaded (no tile of the weight is ever rearranged in
-        # registers), AWQ's eight planes into eight sums joined at the end, GPTQ's into one.
+        # once at the end (a tensor-core tile would be 15/16 padding).
         n0 = tl.program_id(0) * BLOCK_N
         rn = n0 + tl.arange(0, BLOCK_N)
         part = tl.program_id(1)
-        if SCHEME == 3 and GROUP_TILE:
-            cw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
-            a0 = tl.zeros((BLOCK_K, BLOCK_N // 8), tl.float32)
-            a1, a2, a3, a4, a5, a6, a7 = a0, a0, a0, a0, a0, a0, a0
-            for i in tl.static_range(0, K_PART, BLOCK_K):
-                k0 = part * K_PART + i
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
-                word = tl.load(Q + rk.to(tl.int64)[:, None] * stride_q + cw[None, :],
-                               mask=(rk < K)[:, None] & (cw < N // 8)[None, :], other=0)
-                g0 = k0 // group
-                smask = (cw < N // 8) & (k0 + 0 * cw < K)
-                zw = tl.load(Z + g0 * stride_z + cw, mask=smask, other=0)
-                a0 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 0)
-                a1 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 1)
-                a2 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 2)
-                a3 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 3)
-                a4 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 4)
-                a5 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 5)
-                a6 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 6)
-                a7 += _awq_plane(word, zw, S, g0, stride_s, cw, smask, x, 7)
-            # planes 0..7 hold columns 8 c + (0, 2, 4, 6, 1, 3, 5, 7): joined back into column order
-            even = tl.interleave(tl.interleave(tl.sum(a0, axis=0), tl.sum(a2, axis=0)),
-                                 tl.interleave(tl.sum(a1, axis=0), tl.sum(a3, axis=0)))
-            odd = tl.interleave(tl.interleave(tl.sum(a4, axis=0), tl.sum(a6, axis=0)),
-                                tl.interleave(tl.sum(a5, axis=0), tl.sum(a7, axis=0)))
-            y = tl.interleave(even, odd)
-        elif SCHEME == 4 and GROUP_TILE:
-            acc = tl.zeros((BLOCK_K // 8, BLOCK_N), tl.float32)
-            for i in tl.static_range(0, K_PART, BLOCK_K):
-                k0 = part * K_PART + i
-                rw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word rows: input rows 8 r..8 r + 7
-                word = tl.load(Q + rw.to(tl.int64)[:, None] * stride_q + rn[None, :],
-                               mask=(rw < (K + 7) // 8)[:, None] & (rn < N)[None, :], other=0)
-                g0 = k0 // group
-                smask = (rn < N) & (k0 + 0 * rn < K)
-                zw = tl.load(Z + g0 * stride_z + rn // 8, mask=smask, other=0)
-                z = (((zw >> ((rn % 8) * 4)) & 0xF) + zero_offset).to(tl.float32)[None, :]
-                s = tl.load(S + g0 * stride_s + rn, mask=smask, other=0.0).to(tl.float32)[None, :]
-                for j in tl.static_range(8):
-                    x = tl.load(X + rw * 8 + j, mask=rw * 8 + j < K, other=0.0).to(tl.float32)
-                    acc += _int4_plane(word, j, s, z) * x[:, None]
-            y = tl.sum(acc, axis=0)
-        else:
-            acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
-            for i in tl.static_range(0, K_PART, BLOCK_K):
-                k0 = part * K_PART + i
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
-                w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
-                                  zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N, BLOCK_K)
-                acc += w * x[:, None]
-            y = tl.sum(acc, axis=0)
-        _store_out(y, rn, rn, rn < N, Y, WS, CNT, BIAS, rn, tl.program_id(0), part.to(tl.int64), N, HAS_BIAS, SPLIT)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
+        for i in tl.static_range(0, K_PART, BLOCK_K):
+            k0 = part * K_PART + i
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rk, mask=rk < K, other=0.0).to(tl.float32)
+            w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
+                              zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N, BLOCK_K)
+            acc += w * x[:, None]
+        _store_out(tl.sum(acc, axis=0), rn, rn, rn < N, Y, WS, CNT, BIAS, rn, tl.program_id(0), part.to(tl.int64), N,
+                   HAS_BIAS, SPLIT)
 
     @triton.jit
     def _quant_rows_kernel(X, XQ, XS, M, K, stride_xm, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
