@@ -166,10 +166,11 @@ class GemvBlocks(NamedTuple):
 def _gemv_blocks(spec: WeightSpec) -> GemvBlocks:
     """fp8 [N, K] rows are contiguous along K: few outputs a program, long steps along K, as the
     fp16 GEMV (``ops._gemv_blocks``); int4 words hold 8 columns (AWQ) or 8 rows (GPTQ) of a
-    [K, N]-major layout: wide column tiles, steps no taller than a group."""
+    [K, N]-major layout: wide column tiles (AWQ 64, GPTQ 128: the least time over the 7B's three
+    shapes in ``bench/kernel_sweep.py --only quant``), steps no taller than a group."""
     b = _wo_blocks(spec)
     if spec.scheme in (AWQ, GPTQ):
-        return GemvBlocks(64, b.k if b.tile else 64, 4, 4)
+        return GemvBlocks(64 if spec.scheme == AWQ else 128, b.k if b.tile else 64, 4, 4)
     return GemvBlocks(2, max(16, min(1024, 1 << (spec.k - 1).bit_length())), 4, 4)
 
 
