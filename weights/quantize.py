@@ -157,19 +157,23 @@ def demo_tensor(name: str, shape: tuple[int, ...], dtype: str, fmt: str, device:
                 gen: torch.Generator) -> torch.Tensor:
     """One random tensor of a ``fmt`` checkpoint's quantized projection (its dequantized weights
     spread like the plain demo's): fp8 values of about +-64 with scales 0.02 / 64; int4 words of
-    random nibbles around zero points of 8, scales 0.02 / 4.6 (a uniform nibble's spread)."""
+    nibbles drawn evenly from 1..15 around zero points of 8, scales 0.02 / 4.32 (their spread).
+    Nibbles of 0..15 would centre every weight half a step below zero: a shared offset that each
+    layer amplifies, until a deep model's fp16 activations overflow (a 32-layer 7B did)."""
     suffix = name.rsplit(".", 1)[1]
     if dtype == "float8_e4m3fn":
         return (torch.randn(shape, device=device, generator=gen) * 64).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     if suffix in ("weight_scale", "weight_scale_inv"):
         return torch.full(shape, _STD / 64, device=device)
     if suffix == "qweight":
-        return torch.randint(-2**31, 2**31, shape, device=device, generator=gen, dtype=torch.int64).to(torch.int32)
+        nibbles = torch.randint(1, 16, (*shape, 8), device=device, generator=gen, dtype=torch.int64)
+        words = (nibbles << (4 * torch.arange(8, device=device))).sum(-1)  # 0 .. 2^32 - 1
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     if suffix == "qzeros":  # zero point 8 in every nibble (GPTQ's "gptq" format stores 7: zero - 1)
         word = 0x77777777 if DEMO_FORMATS[fmt]["quant_method"] == "gptq" else 0x88888888 - 2**32
         return torch.full(shape, word, dtype=torch.int32, device=device)
     if suffix == "scales":
-        return torch.full(shape, _STD / 4.6, dtype=torch.float16, device=device)
+        return torch.full(shape, _STD / 4.32, dtype=torch.float16, device=device)
     if suffix == "g_idx":
         group = DEMO_FORMATS[fmt]["group_size"]
         if DEMO_FORMATS[fmt].get("desc_act"):
