@@ -328,6 +328,7 @@ def _fetch(p: dict) -> list[tuple[str, str]]:
 def _quant(p: dict) -> list[tuple[str, str]]:
     """bench/quant.py's parts: a run's row per pack, and --sizes-only's whole-shape sizes."""
     rows = []
+    runs = sum("rows" in f for f in p.values())  # more than one run of packs: each row names its part
     for name, f in p.items():
         if "load_build_s" in f:  # bench/engine.py over one whole pack
             rows.append((f"{name}: a whole pack ({_num(f['weight_gb'])} GB), the engine alone: warm load with its "
@@ -335,6 +336,9 @@ def _quant(p: dict) -> list[tuple[str, str]]:
                          f"{_num(f['load_build_s'])} s; **{_num(f['decode_ms_per_token_b1'])} ms/token** "
                          f"({_num(f['engine_share_decode_b1'])} of the GPU's bound, "
                          f"{_num(f['bound_decode_ms_per_token_b1'])} ms/token)"))
+            continue
+        if "quant" in f:  # bench/kernel_sweep.py --only quant
+            rows += _quant_sweep(f["quant"])
             continue
         if "rows" not in f and "whole_sizes" not in f:  # a part of another shape: its numbers
             rows += _scalars(f, name if len(p) > 1 else "")
@@ -346,10 +350,34 @@ def _quant(p: dict) -> list[tuple[str, str]]:
         for r in f.get("rows", []):
             tps = _tokens_per_s(r)
             wide = max(tps) if tps else None
-            rows.append((f"{shape}{layers}, {r['format']} ({_num(r['file_GB'])} GB): warm load; batch-1 decode"
+            rows.append((f"{name + ': ' if runs > 1 else ''}{shape}{layers}, {r['format']} ({_num(r['file_GB'])} GB): "
+                         "warm load; batch-1 decode"
                          + (f"; {wide} requests at once" if wide else ""),
                          f"{_num(r['load_s'])} s; **{_num(r['decode_ms_per_token_b1'])} ms/token**"
                          + (f"; {_num(tps[wide], 0)} tokens/s" if wide else "") + f" ({r['kernels']})"))
+    return rows
+
+
+def _quant_sweep(q: dict) -> list[tuple[str, str]]:
+    """The quantized layers' kernel sweep: per scheme and row count, each path's time per layer
+    over the 7B's three projection shapes (the GEMV at its default blocks)."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in q.values():
+        by.setdefault((r["scheme"], r["rows"]), []).append(r)
+    rows = []
+    for (scheme, m), rs in by.items():
+        paths: dict[str, list[str]] = {"cuBLAS on the fp16 weight": [_num(r["cublas_fp16_ms"] * 1e3, 1) for r in rs]}
+        for r in rs:
+            seen = set()
+            for path in r["paths"]:
+                name = "GEMV" if path["path"].startswith("gemv") else path["path"]
+                if name in seen:
+                    continue  # the GEMV's first row is its default; the rest are the sweep's
+                seen.add(name)
+                paths.setdefault(name, []).append(_num(path["ms"] * 1e3, 1) if "ms" in path else "failed")
+        shapes = " / ".join(f"{r['N']}x{r['K']}" for r in rs)
+        rows.append((f"{scheme}, {m} row{'s' if m > 1 else ''}: us per layer ({shapes})",
+                     "; ".join(f"{k} {' / '.join(v)}" for k, v in paths.items())))
     return rows
 
 

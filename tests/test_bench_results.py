@@ -279,3 +279,17 @@ def test_the_replicas_own_part_of_each_start_is_shown_beside_rays():
     assert rows["the replica's own part of those starts (its constructor to warm): the model on the node; at the "
                 "source (of it, the transfer); in the node cache"] == (
         "2.00, 2.50 s; 3.50, 4.00 s (2.50, 3.00 s); 1.90, 2.10 s")
+
+
+def test_the_quant_kernel_sweep_is_shown_per_scheme_and_row_count():
+    def entry(N, K, rows, paths):
+        return {"scheme": "awq", "N": N, "K": K, "rows": rows, "cublas_fp16_ms": 0.016,
+                "paths": [{"path": p, "ms": ms} if ms else {"path": p, "error": "CompilationError"}
+                          for p, ms in paths]}
+    sweep = {"quant": {"a": entry(4096, 4096, 1, [("tile-m16", 0.0155), ("gemv-(64, 128, 4, 4)", 0.0145),
+                                                    ("gemv-(64, 64, 4, 4)", 0.0131)]),
+                       "b": entry(11008, 4096, 1, [("tile-m16", 0.0332), ("gemv-(64, 128, 4, 4)", None)])}}
+    rows = dict(results._quant({"kernel-sweep": sweep}))
+    # the GEMV at its default blocks (the first of its rows), a failed path named as such
+    assert rows == {"awq, 1 row: us per layer (4096x4096 / 11008x4096)":
+                    "cuBLAS on the fp16 weight 16.0 / 16.0; tile-m16 15.5 / 33.2; GEMV 14.5 / failed"}
