@@ -174,7 +174,7 @@ def _gemv_blocks(spec: WeightSpec) -> GemvBlocks:
     return GemvBlocks(2, max(16, min(1024, 1 << (spec.k - 1).bit_length())), 4, 4)
 
 
-GEMV_STEPS = 32
+GEMV_STEPS = 32  # unrolled steps a GEMV program takes at most (K is cut into more parts beyond)
 _SMS: dict[int, int] = {}
 
 
@@ -245,7 +245,7 @@ def _launch_wo_gemv(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | None
         raise ValueError(f"GEMV blocks {g}: an int4 step must lie in one group of {spec.group} rows and "
                          "cover whole words (BLOCK_N a multiple of 8)")
     grid_n, k_tiles = ops.triton.cdiv(spec.n, g.n), ops.triton.cdiv(spec.k, g.k)
-    # (at most GEMV_STEPS unrolled steps a program: the compile's time and code grow with them)
+    # (the compile's time and the code grow with the unrolled steps)
     split = max(_split_k(grid_n, k_tiles, x.device, g.per_sm, least=1), ops.triton.cdiv(k_tiles, GEMV_STEPS))
     k_part = ops.triton.cdiv(k_tiles, split) * g.k
     split = ops.triton.cdiv(spec.k, k_part)  # (no part left empty)
@@ -343,9 +343,10 @@ def synthetic(spec: WeightSpec, seed: int = 0) -> WeightSpec:
 
 def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device) -> QuantKernels:
     """The kernels a model whose quantized layers are ``specs`` (one per distinct shape, by a
-    name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1 and
-    48 and ``WO_MAX_ROWS`` rows (the weight-only kernel) or 48 rows (``_scaled_mm``) and compared with
-    `dequantize`'s product; a pass is kept per node (``policy.kept_test``). Never raises."""
+    name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1, 5, 48
+    and ``WO_MAX_ROWS`` rows (the weight-only kernel: its GEMV and both tile heights) or 48 rows
+    (``_scaled_mm``) and compared with `dequantize`'s product; a pass is kept per node
+    (``policy.kept_test``). Never raises."""
     plan = QuantKernels()
     if not specs or not ops.available(device):
         return plan
