@@ -343,10 +343,10 @@ def synthetic(spec: WeightSpec, seed: int = 0) -> WeightSpec:
 
 def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.device) -> QuantKernels:
     """The kernels a model whose quantized layers are ``specs`` (one per distinct shape, by a
-    name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1, 5, 48
-    and ``WO_MAX_ROWS`` rows (the weight-only kernel: its GEMV and both tile heights) or 48 rows
-    (``_scaled_mm``) and compared with `dequantize`'s product; a pass is kept per node
-    (``policy.kept_test``). Never raises."""
+    name for the log) uses on ``device``: each run on a `synthetic` layer of every spec at 1, 5 and
+    100 rows (the weight-only kernel: its GEMV, and its 16- and 64-row tiles, each with a partial
+    tile) or 48 rows (``_scaled_mm``) and compared with `dequantize`'s product; a pass is kept per
+    node (``policy.kept_test``). Never raises."""
     plan = QuantKernels()
     if not specs or not ops.available(device):
         return plan
@@ -355,7 +355,7 @@ def choose(specs: dict[str, WeightSpec], dtype: torch.dtype, device: torch.devic
     shapes = sorted((s.scheme, s.n, s.k, s.group, list(s.block), s.g_idx is not None) for s in specs.values())
     t = time.perf_counter()
     why = policy.kept_test(policy._selftest_path(["quant-wo", "dequantize", shapes, str(dtype)], device, where),
-                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, 48, WO_MAX_ROWS), 2e-2)
+                           lambda: _test(specs, dtype, device, wo_matmul, (1, 5, 100), 2e-2)
                            or _test_dequantize(specs, dtype))
     plan.weight_only = why is None
     plan.seconds["quant_kernel_test"] = time.perf_counter() - t
