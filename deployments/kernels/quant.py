@@ -228,7 +228,7 @@ def _launch_wo_matmul(x: torch.Tensor, spec: WeightSpec, bias: torch.Tensor | No
     tensors, layout, consts = _stored(spec, b)
     _wo_matmul_kernel[(grid_n, grid_m, split)](
         x2, *tensors, bias if bias is not None else x2, y, _parts(x, split, M, spec.n),
-        _counters(x.device, grid_n * grid_m), M, spec.n, spec.k, x2.stride(0), y.stride(0), *layout,
+        _counters(x.device, grid_n * grid_m), M, spec.n, spec.k, x2.stride(0), *layout,
         k_split, **consts, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=bm)
     return y.view(*x.shape[:-1], spec.n)
 

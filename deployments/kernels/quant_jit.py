@@ -84,31 +84,31 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _store_out(acc, y_offs, w_offs, mask, Y, WS, CNT, BIAS, b_offs, tile, part, part_stride,
+    def _store_out(acc, offs, mask, Y, WS, CNT, BIAS, b_offs, tile, part, part_stride,
                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-        # A program's sum over its part of K (acc, fp32) into Y. SPLIT 1: the whole sum, stored. Else
-        # it goes to the workspace WS [SPLIT, ...], and the last of the tile's SPLIT programs to get
+        # A program's sum over its part of K (acc, fp32) into Y (contiguous) at offs. SPLIT 1: the
+        # whole sum, stored. Else it goes to the workspace WS [SPLIT, ...Y's shape], and the last of the tile's SPLIT programs to get
         # there (counted in CNT[tile], with acquire-release order: the others' parts are visible to
         # it) adds the parts in their order, part 0 first: the same sum whichever program ends last,
         # in one launch. It sets the counter back to 0 for the next launch.
         if SPLIT > 1:
-            tl.store(WS + part * part_stride + w_offs, acc, mask=mask)
+            tl.store(WS + part * part_stride + offs, acc, mask=mask)
             tl.debug_barrier()  # every thread's part stored before the count
             if tl.atomic_add(CNT + tile, 1) == SPLIT - 1:
-                acc = tl.load(WS + w_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                acc = tl.load(WS + offs, mask=mask, other=0.0, cache_modifier=".cg")
                 for p in tl.static_range(1, SPLIT):
-                    acc += tl.load(WS + p * part_stride + w_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc += tl.load(WS + p * part_stride + offs, mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     acc += tl.load(BIAS + b_offs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(Y + y_offs, acc.to(Y.dtype.element_ty), mask=mask)
+                tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
                 tl.store(CNT + tile, 0)
         else:
             if HAS_BIAS:
                 acc += tl.load(BIAS + b_offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(Y + y_offs, acc.to(Y.dtype.element_ty), mask=mask)
+            tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _wo_matmul_kernel(X, Q, S, Z, GI, BIAS, Y, WS, CNT, M, N, K, stride_xm, stride_ym, stride_q, stride_s,
+    def _wo_matmul_kernel(X, Q, S, Z, GI, BIAS, Y, WS, CNT, M, N, K, stride_xm, stride_q, stride_s,
                           stride_z, group, bn, bk, zero_offset, k_split, SCHEME: tl.constexpr,
                           HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TILE: tl.constexpr,
                           SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -132,8 +132,7 @@ if triton is not None:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-        rm64 = rm.to(tl.int64)[:, None]
-        _store_out(acc, rm64 * stride_ym + rn[None, :], rm64 * N + rn[None, :], (rm < M)[:, None] & (rn < N)[None, :],
+        _store_out(acc, rm.to(tl.int64)[:, None] * N + rn[None, :], (rm < M)[:, None] & (rn < N)[None, :],
                    Y, WS, CNT, BIAS, rn[None, :] + 0 * rm[:, None],
                    tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.program_id(2).to(tl.int64), M * N,
                    HAS_BIAS, SPLIT)
@@ -159,7 +158,7 @@ if triton is not None:
             w = _dequant_tile(Q, S, Z, GI, k0, rk, n0, rn, N, K, stride_q, stride_s, stride_z, group, bn, bk,
                               zero_offset, SCHEME, HAS_GIDX, GROUP_TILE, BLOCK_N, BLOCK_K)
             acc += w * x[:, None]
-        _store_out(tl.sum(acc, axis=0), rn, rn, rn < N, Y, WS, CNT, BIAS, rn, tl.program_id(0), part.to(tl.int64), N,
+        _store_out(tl.sum(acc, axis=0), rn, rn < N, Y, WS, CNT, BIAS, rn, tl.program_id(0), part.to(tl.int64), N,
                    HAS_BIAS, SPLIT)
 
     @triton.jit
